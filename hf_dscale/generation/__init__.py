@@ -1,0 +1,8 @@
+"""Speculative decoding (what decodes): acceptance rules, the decode loop, transformers entry points."""
+
+from .acceptance import greedy_accept, speculative_accept
+from .custom_generate import generate as custom_generate
+from .decode import speculative_generate
+from .types import DecodeStats
+
+__all__ = ["DecodeStats", "custom_generate", "greedy_accept", "speculative_accept", "speculative_generate"]

@@ -1,0 +1,52 @@
+"""The one place that knows how transformers' cache API drifts inside 5.x.
+
+* The forward kwarg `past_key_values` became `cache` in 5.24 (the old name is deprecated).
+* `DynamicCache.crop(n)` with n > 0 truncated to n in <= 5.8, warns in 5.16 and raises in 5.23+;
+  `crop(-n)` (drop the last n) works everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+from transformers import DynamicCache
+
+
+@lru_cache(maxsize=None)
+def _cache_kwarg(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{'cache': cache} or {'past_key_values': cache}, whichever `model.forward` takes."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+def output_cache(outputs):
+    """The cache returned by a forward, under either name."""
+    return getattr(outputs, "cache", None) if "cache" in outputs else outputs.past_key_values
+
+
+def find_cache(model_kwargs: dict):
+    """Pop the cache `generate()` prepared (under either name), or None."""
+    found = None
+    for name in ("cache", "past_key_values"):
+        value = model_kwargs.pop(name, None)
+        found = found if value is None else value
+    return found
+
+
+def new_cache(model):
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def crop_to(cache, length: int) -> None:
+    """Keep the first `length` positions of every layer."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,72 @@
+"""`model.generate(..., custom_generate=hf_dscale.generation.custom_generate.generate, drafter=...)`.
+
+`generate()` prepares everything (logits processors, stopping criteria, the cache) and hands it here;
+we run the batched speculative loop. transformers drops `streamer` and `assistant_model` on the way to a
+custom generate function, so they are taken as `streamer_=` and `drafter=`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import cache as cache_api
+from .decode import speculative_generate
+
+
+def _load_drafter(drafter, model):
+    if isinstance(drafter, str):
+        from ..models import DScaleDrafter
+
+        drafter = DScaleDrafter.from_pretrained(drafter, dtype=model.dtype).to(model.device)
+    if drafter is None:
+        raise ValueError("Pass the drafter: model.generate(..., custom_generate=..., drafter=<DScaleDrafter or path>).")
+    return drafter
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    drafter=None,
+    streamer_=None,
+    dscale_stats=None,
+    **model_kwargs,
+):
+    """Speculative decoding with a DScale/DFlash drafter; exact for greedy, lossless for sampling.
+
+    Args:
+        drafter: a `DScaleDrafter` (or a path to one) trained for `model`.
+        streamer_: a transformers streamer (batch size 1).
+        dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
+    Returns:
+        sequences [B, P + N], or a `GenerateDecoderOnlyOutput` when `return_dict_in_generate=True`.
+    """
+    drafter = _load_drafter(drafter, model)
+    if generation_config.num_beams not in (None, 1) or (generation_config.num_return_sequences or 1) != 1:
+        raise ValueError("hf_dscale speculative decoding supports num_beams=1 and num_return_sequences=1.")
+    if streamer_ is not None and input_ids.shape[0] != 1:
+        raise ValueError("Streamers support batch size 1 only.")
+    pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+    sequences, stats = speculative_generate(
+        model,
+        drafter,
+        input_ids,
+        attention_mask=model_kwargs.get("attention_mask"),
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        do_sample=bool(generation_config.do_sample),
+        pad_token_id=int(pad),
+        cache=cache_api.find_cache(model_kwargs),
+        streamer=streamer_,
+    )
+    if dscale_stats is not None:
+        dscale_stats.merge(stats)
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences

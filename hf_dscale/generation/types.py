@@ -1,0 +1,31 @@
+"""Data contracts between drafting, verification and the decode loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """Per-call counters of a speculative decode.
+
+    `committed[i]` is the number of tokens committed by target forward i of a row (accepted drafts
+    plus the recovered/bonus token), so tau = mean(committed). Stage times are wall-clock seconds.
+    """
+
+    committed: list[int] = field(default_factory=list)
+    cycles: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.committed) / max(1, len(self.committed))
+
+    def merge(self, other: "DecodeStats") -> None:
+        self.committed += other.committed
+        self.cycles += other.cycles
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+        self.other_s += other.other_s

@@ -1,0 +1,14 @@
+"""Drafter models (what is loaded). Registered with the transformers Auto classes on import."""
+
+from transformers import AutoConfig, AutoModel
+
+from .dscale import DScaleConfig, DScaleDrafter, build_target_layer_ids
+
+AutoConfig.register(DScaleConfig.model_type, DScaleConfig, exist_ok=True)
+AutoModel.register(DScaleConfig, DScaleDrafter, exist_ok=True)
+# `save_pretrained` then copies the modeling code and writes `auto_map`, so a saved folder loads with
+# `AutoModel.from_pretrained(folder, trust_remote_code=True)` where hf_dscale is not installed.
+DScaleConfig.register_for_auto_class()
+DScaleDrafter.register_for_auto_class("AutoModel")
+
+__all__ = ["DScaleConfig", "DScaleDrafter", "build_target_layer_ids"]

@@ -1,0 +1,190 @@
+"""Self-distillation data: the target answers training prompts, and its tapped hidden states are cached.
+
+Layout of a data folder (every file is written atomically, so an interrupted run resumes where it
+stopped and loses at most the batch in flight):
+
+    meta.json                   target, tapped layer ids, chat template settings
+    shard-00000.safetensors     input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64,
+                                taps [N, T, H] float16 (target hidden states at the tapped layers)
+    shard-00000.json            the prompt ids in that shard (the resume index)
+
+Responses are the target's own greedy answers (as the DFlash/DScale recipes regenerate responses with
+the target). The loss mask is 1 on response tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..models.dscale.assistant import TapRecorder
+
+
+def read_prompts(path: str, limit: int | None = None) -> list[dict]:
+    """JSON lines with at least `prompt` (and ideally `id`)."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                row = json.loads(line)
+                if "prompt" not in row:
+                    raise ValueError(f"{path}:{i + 1} has no `prompt` field.")
+                row.setdefault("id", f"{os.path.basename(path)}:{i}")
+                rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def render_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt as one user turn of the target's chat template, ready for the assistant's answer."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def _done_ids(folder: str) -> set[str]:
+    done = set()
+    for name in os.listdir(folder):
+        if name.startswith("shard-") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                done.update(json.load(f))
+    return done
+
+
+def _next_shard(folder: str) -> int:
+    shards = [n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json")]
+    return 1 + max((int(n[6:11]) for n in shards), default=-1)
+
+
+def _atomic_json(obj, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+@torch.no_grad()
+def _answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
+    """Greedy answers for a batch of rendered prompts -> list of response id lists (EOS kept)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    device = target.device
+    out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=pad_id)
+    eos = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
+              else [target.generation_config.eos_token_id])
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+@torch.no_grad()
+def _taps(target, recorder: TapRecorder, sequences: list[list[int]], pad_id: int) -> list[torch.Tensor]:
+    """Tapped hidden states [L_i, T, H] of each unpadded sequence (batched with left padding)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    device = target.device
+    target(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+           use_cache=False, logits_to_keep=1)
+    taps = recorder.taps().cpu()
+    return [taps[i, width - len(s):] for i, s in enumerate(sequences)]
+
+
+def generate_data(
+    target,
+    tokenizer,
+    prompt_files: list[str],
+    out_dir: str,
+    layer_ids: list[int],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    limit_per_file: int | None = None,
+    max_prompt_tokens: int = 512,
+    progress: bool = False,
+) -> int:
+    """Answer every not-yet-done prompt and cache its taps; returns the number of new samples."""
+    from tqdm.auto import tqdm
+
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"target": target.config._name_or_path, "layer_ids": list(layer_ids), "max_new_tokens": max_new_tokens}
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            old = json.load(f)
+        if old["layer_ids"] != meta["layer_ids"]:
+            raise ValueError(f"{out_dir} holds taps of layers {old['layer_ids']}, not {layer_ids}; use a new folder.")
+    else:
+        _atomic_json(meta, meta_path)
+
+    done = _done_ids(out_dir)
+    todo = [row for path in prompt_files for row in read_prompts(path, limit_per_file) if row["id"] not in done]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    recorder = TapRecorder(target, layer_ids)
+    shard, written = _next_shard(out_dir), 0
+    try:
+        bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            prompts = [render_prompt(tokenizer, row["prompt"])[-max_prompt_tokens:] for row in batch]
+            responses = _answer_batch(target, tokenizer, prompts, max_new_tokens, pad_id)
+            sequences = [p + r for p, r in zip(prompts, responses)]
+            taps = _taps(target, recorder, sequences, pad_id)
+            lengths = [len(s) for s in sequences]
+            tensors = {
+                "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
+                "loss_mask": torch.tensor([int(j >= len(p)) for p, s in zip(prompts, sequences) for j in range(len(s))],
+                                          dtype=torch.uint8),
+                "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+                "taps": torch.cat(taps).to(torch.float16),
+            }
+            name = os.path.join(out_dir, f"shard-{shard:05d}")
+            save_file(tensors, name + ".safetensors.tmp")
+            os.replace(name + ".safetensors.tmp", name + ".safetensors")
+            _atomic_json([row["id"] for row in batch], name + ".json")  # written last: marks the shard done
+            shard, written = shard + 1, written + len(batch)
+            bar.update(len(batch))
+        bar.close()
+    finally:
+        recorder.remove()
+    return written
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] bool
+    taps: torch.Tensor  # [L, T, H] float16
+
+
+def load_meta(folder: str) -> dict:
+    with open(os.path.join(folder, "meta.json")) as f:
+        return json.load(f)
+
+
+def iter_samples(folder: str) -> Iterator[Sample]:
+    """Every finished sample of a data folder, shard by shard."""
+    names = sorted(n[:-5] for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json"))
+    for name in names:
+        data = load_file(os.path.join(folder, name + ".safetensors"))
+        offsets = data["offsets"].tolist()
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            yield Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(), data["taps"][a:b])

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random targets (Llama, Qwen3) and drafters.
+
+`OracleDrafter` is a real `DScaleDrafter` (its forward and caches run every step) whose proposals are
+replaced by a known continuation with injected errors, so the decode loops see long accepted runs,
+rejections at every depth, EOS inside a block and rows that advance at different speeds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hf_dscale import DScaleConfig, DScaleDrafter
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 96
+MASK_ID = VOCAB - 1
+
+
+def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int | None = None):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  pad_token_id=0, eos_token_id=eos, bos_token_id=None)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        raise ValueError(kind)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = eos
+    return model.eval()
+
+
+def tiny_drafter(target, fusion: str = "layerwise", block_size: int = 8, seed: int = 1, cls=DScaleDrafter):
+    torch.manual_seed(seed)
+    config = DScaleConfig.from_target(target.config, num_hidden_layers=2, fusion=fusion,
+                                      mask_token_id=MASK_ID, block_size=block_size)
+    return cls(config).eval()
+
+
+class OracleDrafter(DScaleDrafter):
+    """Proposes `oracle[b][position]` with probability 1 - error_rate, else a random token."""
+
+    oracle: list[list[int]] | None = None
+    error_rate: float = 0.2
+    soft: bool = False  # True: a smooth q (for sampling tests) instead of a near one-hot
+
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
+        real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid)
+        logits = torch.randn_like(real)
+        for b in range(real.shape[0]):
+            seq = self.oracle[b if len(self.oracle) > 1 else 0]
+            for k in range(real.shape[1]):
+                pos = int(anchor_positions[b]) + 1 + k
+                token = seq[pos] if pos < len(seq) else 0
+                if torch.rand(()) < self.error_rate:
+                    token = int(torch.randint(0, real.shape[-1], ()))
+                logits[b, k, token] += 2.0 if self.soft else 30.0
+        return logits
+
+
+def oracle_from(sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
+    """Per row, the tokens of reference outputs with left padding removed: index = position id."""
+    if attention_mask is None:
+        return sequences.tolist()
+    grown = sequences.shape[1] - attention_mask.shape[1]
+    keep = torch.cat((attention_mask.bool(), attention_mask.new_ones(sequences.shape[0], grown).bool()), dim=1)
+    return [sequences[b][keep[b]].tolist() for b in range(sequences.shape[0])]
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def target(request):
+    return tiny_target(request.param)

@@ -1,0 +1,140 @@
+"""Greedy speculative output equals plain `generate()` token for token, on every entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+from hf_dscale.generation import DecodeStats, custom_generate
+
+from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
+
+
+def _prompt(batch: int, length: int, seed: int, ragged: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, MASK_ID, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if ragged and batch > 1:
+        for b in range(batch):
+            pad = int(torch.randint(0, length - 1, (), generator=g))
+            mask[b, :pad] = 0
+            ids[b, :pad] = 0
+    return ids, mask
+
+
+def _oracle(target, reference, mask, error_rate, seed=0, block_size=8):
+    drafter = tiny_drafter(target, cls=OracleDrafter, block_size=block_size)
+    drafter.oracle, drafter.error_rate = oracle_from(reference, mask), error_rate
+    torch.manual_seed(seed)
+    return drafter
+
+
+@pytest.mark.parametrize("fusion", ["layerwise", "shared"])
+def test_assistant_model_greedy_identity_random_drafter(target, fusion):
+    drafter = tiny_drafter(target, fusion=fusion)
+    for seed, (length, new) in enumerate([(5, 17), (12, 40), (30, 9)]):
+        ids, _ = _prompt(1, length, seed)
+        plain = target.generate(ids, max_new_tokens=new, do_sample=False)
+        spec = target.generate(ids, assistant_model=drafter, max_new_tokens=new, do_sample=False)
+        assert torch.equal(plain, spec)
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.1, 0.4])
+def test_assistant_model_greedy_identity_long_accepts(target, error_rate):
+    for seed in range(4):
+        ids, _ = _prompt(1, 6 + 3 * seed, seed)
+        new = 20 + 7 * seed
+        plain = target.generate(ids, max_new_tokens=new, do_sample=False)
+        drafter = _oracle(target, plain, None, error_rate, seed)
+        spec = target.generate(ids, assistant_model=drafter, max_new_tokens=new, do_sample=False)
+        assert torch.equal(plain, spec), f"seed {seed}"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("error_rate", [0.0, 0.25])
+def test_custom_generate_batched_greedy_identity(target, batch, error_rate):
+    for seed in range(3):
+        ids, mask = _prompt(batch, 9 + 2 * seed, seed)
+        new = 15 + 9 * seed
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        drafter = _oracle(target, plain, mask, error_rate, seed)
+        stats = DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+        assert torch.equal(plain, spec), f"seed {seed}"
+        if error_rate == 0.0:
+            assert stats.tau > 3.0  # the oracle is followed: blocks are accepted, not just bonus tokens
+
+
+def test_eos_inside_a_block_and_rows_finishing_apart():
+    probe = tiny_target("llama")
+    ids, mask = _prompt(3, 8, seed=5)
+    free = probe.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    eos = int(free[0, ids.shape[1] + 10])  # a token row 0 emits mid-way
+    target = tiny_target("llama", eos=eos)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert (plain[:, ids.shape[1]:] == eos).any()
+    drafter = _oracle(target, plain, mask, error_rate=0.0)
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                           custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(plain, spec)
+    one = target.generate(ids[:1], max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, one, None, error_rate=0.0)
+    assert torch.equal(one, target.generate(ids[:1], assistant_model=drafter, max_new_tokens=30, do_sample=False))
+
+
+@pytest.mark.parametrize("new", [1, 2, 5, 7, 8, 9, 13])
+def test_max_new_tokens_inside_a_block(new):
+    target = tiny_target("qwen3")
+    ids, _ = _prompt(1, 7, seed=new)
+    plain = target.generate(ids, max_new_tokens=new, do_sample=False)
+    for entry in ("assistant", "custom"):
+        drafter = _oracle(target, plain, None, error_rate=0.0)
+        kw = (dict(assistant_model=drafter) if entry == "assistant"
+              else dict(custom_generate=custom_generate, drafter=drafter))
+        assert torch.equal(plain, target.generate(ids, max_new_tokens=new, do_sample=False, **kw)), entry
+
+
+def test_mask_token_in_output_is_kept():
+    target = tiny_target("llama")
+    ids, _ = _prompt(1, 6, seed=3)
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    emitted = int(plain[0, -5])
+    drafter = tiny_drafter(target)
+    drafter.config.mask_token_id = emitted  # the drafter fills masks with a token the target really emits
+    for kw in (dict(assistant_model=drafter), dict(custom_generate=custom_generate, drafter=drafter)):
+        spec = target.generate(ids, max_new_tokens=24, do_sample=False, **kw)
+        assert torch.equal(plain, spec)
+        assert (spec[0, ids.shape[1]:] == emitted).any()
+
+
+def test_logits_processors_stop_strings_and_return_dict():
+    target = tiny_target("llama")
+    ids, _ = _prompt(1, 8, seed=11)
+    kw = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2,
+              return_dict_in_generate=True)
+    plain = target.generate(ids, **kw)
+    for extra in (dict(assistant_model=_oracle(target, plain.sequences, None, 0.2)),
+                  dict(custom_generate=custom_generate, drafter=_oracle(target, plain.sequences, None, 0.2))):
+        spec = target.generate(ids, **kw, **extra)
+        assert torch.equal(plain.sequences, spec.sequences)
+
+
+def test_streamer_receives_exactly_the_output():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(MASK_ID + 1)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    target = tiny_target("llama")
+    ids, _ = _prompt(1, 5, seed=2)
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    spec = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=custom_generate,
+                           drafter=_oracle(target, plain, None, 0.2), streamer_=streamer)
+    assert torch.equal(plain, spec)
+    streamed = "".join(streamer).split()
+    assert streamed == tokenizer.convert_ids_to_tokens(plain[0, ids.shape[1]:].tolist())
