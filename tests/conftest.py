@@ -40,7 +40,7 @@ def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int
 def tiny_drafter(target, fusion: str = "layerwise", block_size: int = 8, seed: int = 1, cls=DScaleDrafter):
     torch.manual_seed(seed)
     config = DScaleConfig.from_target(target.config, num_hidden_layers=2, fusion=fusion,
-                                      mask_token_id=MASK_ID, block_size=block_size)
+                                      mask_token_id=target.config.vocab_size - 1, block_size=block_size)
     return cls(config).eval()
 
 

@@ -43,8 +43,11 @@ class DScaleRMSNorm(nn.Module):
 class DScaleRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    def frequencies(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, L] -> cos, sin [B, 1, L, head_dim]."""
@@ -188,6 +191,8 @@ class DScalePreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DScaleRMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, DScaleRotary):  # a non-persistent buffer: rebuilt after meta-device loading
+            module.inv_freq.copy_(module.frequencies())
         elif isinstance(module, DScaleDrafter) and module.layer_fusion_weights is not None:
             module.reset_fusion_weights()
 
