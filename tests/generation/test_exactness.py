@@ -138,3 +138,16 @@ def test_streamer_receives_exactly_the_output():
     assert torch.equal(plain, spec)
     streamed = "".join(streamer).split()
     assert streamed == tokenizer.convert_ids_to_tokens(plain[0, ids.shape[1]:].tolist())
+
+
+def test_hub_style_custom_generate_folder():
+    import os
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "SmolLM2-135M-Instruct-DScale")
+    target = tiny_target("llama")
+    ids, mask = _prompt(2, 7, seed=21)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=18, do_sample=False)
+    drafter = _oracle(target, plain, mask, error_rate=0.2)
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=18, do_sample=False,
+                           custom_generate=os.path.abspath(folder), trust_remote_code=True, drafter=drafter)
+    assert torch.equal(plain, spec)

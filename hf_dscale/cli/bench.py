@@ -1,0 +1,68 @@
+"""`hf-dscale bench`: plain greedy generate() vs speculative decoding, side by side in one process."""
+
+from __future__ import annotations
+
+import json
+
+from .common import add_model_args, load_models
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="tau, speedup and exactness of a drafter on a prompt file")
+    add_model_args(p)
+    p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
+    p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
+    p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="PNG histogram of tokens committed per target forward")
+    p.set_defaults(func=main)
+
+
+def _plot(histogram: dict, path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from error
+    keys = sorted(int(k) for k in histogram)
+    plt.figure(figsize=(6, 3.5))
+    plt.bar(keys, [histogram[str(k)] for k in keys])
+    plt.xlabel("tokens committed per target forward")
+    plt.ylabel("cycles")
+    plt.title(title)
+    plt.tight_layout()
+    plt.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..evaluation import bench_speculative
+    from ..training.data import read_prompts, render_prompt
+
+    if args.method == "d2sd":
+        raise NotImplementedError("--method d2sd needs the variable-prefix drafter, which is not implemented yet.")
+    target, tokenizer, drafter = load_models(args)
+    rows = read_prompts(args.prompts, args.limit)
+    prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
+               for row in rows]
+    bar = tqdm(total=len(prompts), desc=f"bench {args.method}", unit="prompt")
+    result = bench_speculative(target, drafter, prompts, args.max_new_tokens, args.method,
+                               on_prompt=lambda i: bar.update(1))
+    bar.close()
+    report = result.to_json()
+    report.update(target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  device=str(target.device), dtype=str(target.dtype))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if args.plot:
+        _plot(report["acceptance_histogram"], args.plot, f"{args.method}: tau = {report['tau']:.2f}")
+    return 0 if report["identical"] else 1

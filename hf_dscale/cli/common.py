@@ -1,0 +1,46 @@
+"""Loading helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEFAULT_DRAFTER = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "SmolLM2-135M-Instruct-DScale")
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def pick_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def add_model_args(p, drafter_default=None) -> None:
+    p.add_argument("--target", default="smollm2",
+                   help='target folder or hub id; "smollm2" = the offline SmolLM2-135M-Instruct GGUF')
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
+    p.add_argument("--drafter", default=drafter_default, required=drafter_default is None,
+                   help="drafter folder (DScale, DFlash or DFlare layout)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
+
+
+def load_models(args):
+    from ..models import DScaleDrafter
+    from ..models.targets import load_target
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype, device=device)
+    drafter_path = os.path.abspath(args.drafter)
+    if not os.path.isfile(os.path.join(drafter_path, "config.json")):
+        raise FileNotFoundError(f"No drafter at {drafter_path} (a folder with config.json and model.safetensors).")
+    drafter = DScaleDrafter.from_pretrained(drafter_path, dtype=dtype).to(device).eval()
+    drafter.bind_target(target)
+    return target, tokenizer, drafter

@@ -1,0 +1,92 @@
+"""`hf-dscale train`: self-distillation data from the target (resumable), then drafter training (resumable)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .common import pick_device, pick_dtype
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="distil a DScale/DFlash drafter from a target")
+    p.add_argument("--target", default="smollm2", help='target folder / hub id, or "smollm2"')
+    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--prompts", nargs="*", default=[], help="JSON lines prompt files for self-distillation")
+    p.add_argument("--limit-per-file", type=int, default=None)
+    p.add_argument("--data-dir", required=True, help="cache of target answers and taps (created / resumed)")
+    p.add_argument("--data-layer-ids", default=None,
+                   help="comma-separated taps to cache (default: the drafter's); cache a superset to train several")
+    p.add_argument("--out", required=True, help="output folder (checkpoints inside; final weights at the top)")
+    p.add_argument("--fusion", choices=["layerwise", "shared"], default="layerwise",
+                   help="layerwise = DScale, shared = DFlash")
+    p.add_argument("--num-taps", type=int, default=None, help="default 9 (DScale) or 5 (DFlash)")
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="token that fills masked positions (default: the tokenizer's mask token; 16 for SmolLM2)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
+    p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--num-anchors", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--vp-beta", type=float, default=None, help="train a variable-prefix drafter with this prior")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--mixed-precision", default="auto", help="auto = bf16 on CUDA, no on CPU")
+    p.set_defaults(func=main)
+
+
+def _mask_token(args, tokenizer) -> int:
+    if args.mask_token_id is not None:
+        return args.mask_token_id
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    if args.target == "smollm2":
+        return tokenizer.convert_tokens_to_ids("<empty_output>")  # an unused special token (id 16)
+    raise ValueError("The tokenizer has no mask token: pass --mask-token-id (an unused special token id).")
+
+
+def main(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..models import DScaleConfig, DScaleDrafter
+    from ..models.targets import load_target
+    from ..training.data import generate_data
+    from ..training.trainer import TrainConfig, train_drafter
+
+    device = pick_device(args.device)
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=pick_dtype("auto", device), device=device)
+    config = DScaleConfig.from_target(target.config, num_hidden_layers=args.draft_layers, num_taps=args.num_taps,
+                                      fusion=args.fusion, mask_token_id=_mask_token(args, tokenizer),
+                                      block_size=args.block_size)
+    layer_ids = ([int(x) for x in args.data_layer_ids.split(",")] if args.data_layer_ids
+                 else list(config.target_layer_ids))
+    if args.prompts:
+        n = generate_data(target, tokenizer, args.prompts, args.data_dir, layer_ids, args.max_new_tokens,
+                          args.gen_batch_size, args.limit_per_file, progress=True)
+        print(f"self-distillation: {n} new samples in {args.data_dir}")
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, num_anchors=args.num_anchors,
+                      save_every=args.save_every, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta)
+    torch.manual_seed(args.seed)
+    drafter = DScaleDrafter(config).to(device)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "train_args.json"), "w") as f:
+        json.dump(vars(args) | {"func": None}, f, indent=2, default=str)
+    bar = tqdm(total=args.steps, desc=f"train {args.fusion}", unit="step")
+
+    def on_step(step, metrics):
+        bar.n = step
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+        bar.refresh()
+        with open(os.path.join(args.out, "log.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    train_drafter(drafter, target, args.data_dir, args.out, cfg, on_step=on_step)
+    bar.close()
+    print(f"drafter saved to {args.out}")
+    return 0

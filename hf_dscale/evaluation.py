@@ -1,0 +1,90 @@
+"""Side-by-side measurement of plain greedy `generate()` and speculative decoding (no I/O, no printing)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .generation import DecodeStats, custom_generate
+
+
+@dataclass
+class BenchResult:
+    method: str
+    n_prompts: int = 0
+    new_tokens: int = 0
+    baseline_s: float = 0.0
+    method_s: float = 0.0
+    identical: bool = True
+    mismatches: list[str] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    def to_json(self) -> dict:
+        cycles = max(1, self.stats.cycles)
+        histogram: dict[int, int] = {}
+        for n in self.stats.committed:
+            histogram[n] = histogram.get(n, 0) + 1
+        return {
+            "method": self.method,
+            "n_prompts": self.n_prompts,
+            "new_tokens": self.new_tokens,
+            "tau": round(self.stats.tau, 4),
+            "tokens_per_s": round(self.new_tokens / max(self.method_s, 1e-9), 3),
+            "baseline_tokens_per_s": round(self.new_tokens / max(self.baseline_s, 1e-9), 3),
+            "speedup": round(self.baseline_s / max(self.method_s, 1e-9), 4),
+            "identical": self.identical,
+            "mismatches": self.mismatches,
+            "stage_ms": {
+                "draft": round(1000 * self.stats.draft_s / cycles, 3),
+                "verify": round(1000 * self.stats.verify_s / cycles, 3),
+                "other": round(1000 * self.stats.other_s / cycles, 3),
+            },
+            "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
+        }
+
+
+def _timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+@torch.no_grad()
+def bench_speculative(
+    target,
+    drafter,
+    prompts: list[tuple[str, torch.Tensor]],  # (id, input ids [1, P])
+    max_new_tokens: int = 256,
+    method: str = "dscale",
+    on_prompt: Callable[[int], None] | None = None,
+) -> BenchResult:
+    """Plain greedy `generate()` and the speculative method on the same prompts, alternating per prompt."""
+    result = BenchResult(method=method)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    warm = prompts[0][1]
+    target.generate(warm, max_new_tokens=4, do_sample=False)
+    target.generate(warm, max_new_tokens=4, do_sample=False, custom_generate=custom_generate, drafter=drafter)
+    for i, (name, ids) in enumerate(prompts):
+        plain, t_plain = _timed(lambda: target.generate(ids, **kw))
+        stats = DecodeStats()
+        spec, t_spec = _timed(
+            lambda: target.generate(ids, **kw, custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+        )
+        result.n_prompts += 1
+        result.new_tokens += plain.shape[1] - ids.shape[1]
+        result.baseline_s += t_plain
+        result.method_s += t_spec
+        result.stats.merge(stats)
+        if not torch.equal(plain, spec):
+            result.identical = False
+            result.mismatches.append(name)
+        if on_prompt is not None:
+            on_prompt(i)
+    return result

@@ -1,0 +1,204 @@
+"""Drafter training on cached self-distillation data, built on `accelerate`.
+
+Single process on a CPU here; `accelerate launch` runs the same code with DDP on many GPUs (each
+process sees its own slice of the sample order). Parameters stay fp32 (the master weights); with
+`mixed_precision="bf16"` the forward runs under bf16 autocast. AdamW, cosine schedule with warmup,
+gradient clipping at 1.0.
+
+Checkpoints are `save_pretrained` folders (`checkpoint-<step>/`) with `trainer_state.pt` beside the
+weights. A run restarts from its newest checkpoint; Ctrl-C writes one before it exits, so an
+interruption loses nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from ..models import DScaleDrafter
+from .data import Sample, load_meta
+from .losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    grad_accum: int = 4  # sequences per optimizer step (per process)
+    num_anchors: int = 64  # blocks per sequence (the references use up to 512)
+    max_seq_len: int = 1024
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    mixed_precision: str = "no"  # "bf16" on GPUs
+    vp_beta: float | None = None  # set (e.g. 0.9) to train a variable-prefix drafter
+
+
+class SampleStream:
+    """An endless, seeded, resumable order over the samples of a data folder.
+
+    Epoch e visits the shards in a permutation seeded by (seed, e) and the samples of each shard in a
+    permutation too; sample number i of the whole run is therefore fixed, and `skip(i)` resumes.
+    """
+
+    def __init__(self, folder: str, tap_index: list[int], seed: int, rank: int = 0, world: int = 1):
+        self.folder, self.tap_index, self.seed, self.rank, self.world = folder, tap_index, seed, rank, world
+        self.shards = sorted(n[:-5] for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json"))
+        if not self.shards:
+            raise FileNotFoundError(f"No finished shards in {folder}: generate data first.")
+        self.consumed = 0
+
+    def _epoch(self, epoch: int) -> Iterator[Sample]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        for shard in torch.randperm(len(self.shards), generator=g).tolist():
+            data = load_file(os.path.join(self.folder, self.shards[shard] + ".safetensors"))
+            offsets = data["offsets"].tolist()
+            for j in torch.randperm(len(offsets) - 1, generator=g).tolist():
+                a, b = offsets[j], offsets[j + 1]
+                yield Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(),
+                             data["taps"][a:b][:, self.tap_index])
+
+    def __iter__(self) -> Iterator[tuple[int, Sample]]:
+        """(global sample number, sample); the number also seeds that sample's anchors."""
+        epoch, index = 0, 0
+        while True:
+            for sample in self._epoch(epoch):
+                if index >= self.consumed and index % self.world == self.rank:
+                    self.consumed = index + 1
+                    yield index, sample
+                index += 1
+            epoch += 1
+
+
+def sequence_loss(drafter, embed, lm_head, sample: Sample, cfg: TrainConfig, generator: torch.Generator):
+    """Loss and accuracy of one sequence; None when it has no response token to learn from."""
+    core = getattr(drafter, "module", drafter)  # unwrapped under DDP, for attributes only
+    device = core.norm.weight.device
+    s = min(sample.input_ids.shape[0], cfg.max_seq_len)
+    ids, mask, taps = sample.input_ids[:s], sample.loss_mask[:s], sample.taps[:s]
+    anchors = sample_anchors(mask, cfg.num_anchors, generator)
+    if anchors.numel() == 0:
+        return None
+    c = core.config
+    prefix = None if cfg.vp_beta is None else sample_prefix_lengths(anchors.numel(), c.block_size, cfg.vp_beta, generator)
+    blocks = build_blocks(ids, mask, anchors, c.block_size, c.mask_token_id, c.loss_decay_gamma, prefix)
+    with torch.no_grad():
+        block_embeds = embed(blocks.input_ids.reshape(1, -1).to(device))
+    hidden = drafter(
+        block_embeds,
+        taps[None].to(device),
+        blocks.position_ids.reshape(1, -1).to(device),
+        torch.arange(s, device=device)[None],
+        None,
+        blocks.attention_mask[None, None].to(device),
+    )
+    keep = (blocks.weights.reshape(-1) > 0).to(device)
+    if not bool(keep.any()):
+        return None
+    logits = lm_head(hidden[0][keep].to(lm_head.weight.dtype))
+    return weighted_cross_entropy(logits, blocks.labels.reshape(-1).to(device)[keep],
+                                  blocks.weights.reshape(-1).to(device)[keep])
+
+
+def _checkpoints(out_dir: str) -> list[str]:
+    if not os.path.isdir(out_dir):
+        return []
+    found = [n for n in os.listdir(out_dir) if n.startswith("checkpoint-") and n[11:].isdigit()]
+    found = [n for n in found if os.path.isfile(os.path.join(out_dir, n, "trainer_state.pt"))]
+    return [os.path.join(out_dir, n) for n in sorted(found, key=lambda n: int(n[11:]))]
+
+
+def train_drafter(
+    drafter: DScaleDrafter,
+    target,
+    data_dir: str,
+    out_dir: str,
+    cfg: TrainConfig,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> DScaleDrafter:
+    """Train `drafter` (fresh, or resumed from the newest checkpoint in `out_dir`) for cfg.steps steps.
+
+    The final weights are saved to `out_dir` itself (a folder the decoding code loads as is).
+    """
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    meta = load_meta(data_dir)
+    missing = [i for i in drafter.config.target_layer_ids if i not in meta["layer_ids"]]
+    if missing:
+        raise ValueError(f"{data_dir} caches taps of layers {meta['layer_ids']}; the drafter also needs {missing}.")
+    tap_index = [meta["layer_ids"].index(i) for i in drafter.config.target_layer_ids]
+
+    drafter.bind_target(target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    drafter.train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, math.ceil(cfg.warmup_ratio * cfg.steps)), cfg.steps)
+    step = 0
+    checkpoints = _checkpoints(out_dir)
+    if checkpoints:
+        state = torch.load(os.path.join(checkpoints[-1], "trainer_state.pt"), weights_only=False)
+        drafter.load_state_dict(DScaleDrafter.from_pretrained(checkpoints[-1]).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    stream = SampleStream(data_dir, tap_index, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    stream.consumed = step * cfg.grad_accum * accelerator.num_processes
+    samples = iter(stream)
+
+    def save(at: int) -> None:
+        if not accelerator.is_main_process:
+            return
+        path = os.path.join(out_dir, f"checkpoint-{at}")
+        accelerator.unwrap_model(model).save_pretrained(path)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": at,
+                    "config": asdict(cfg)}, os.path.join(path, "trainer_state.pt.tmp"))
+        os.replace(os.path.join(path, "trainer_state.pt.tmp"), os.path.join(path, "trainer_state.pt"))
+        for old in _checkpoints(out_dir)[: -cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    try:
+        while step < cfg.steps:
+            losses, accuracies = [], []
+            for _ in range(cfg.grad_accum):
+                index, sample = next(samples)
+                generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+                with accelerator.autocast():
+                    result = sequence_loss(model, embed, lm_head, sample, cfg, generator)
+                if result is None:
+                    continue
+                loss, accuracy = result
+                accelerator.backward(loss / cfg.grad_accum)
+                losses.append(float(loss.detach()))
+                accuracies.append(float(accuracy))
+            norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if on_step is not None and losses:
+                on_step(step, {"loss": sum(losses) / len(losses), "accuracy": sum(accuracies) / len(accuracies),
+                               "grad_norm": float(norm), "lr": scheduler.get_last_lr()[0]})
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save(step)
+    except KeyboardInterrupt:
+        save(step)
+        raise
+    final = accelerator.unwrap_model(model)
+    final.eval()
+    if accelerator.is_main_process:
+        final.save_pretrained(out_dir)
+    return final
