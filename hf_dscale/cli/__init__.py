@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, run, train
+from . import bench, card, run, train
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-dscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, bench, train):
+    for module in (run, bench, train, card):
         module.add_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.command_line = "hf-dscale " + " ".join(argv)  # quoted in reports next to the numbers
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as error:

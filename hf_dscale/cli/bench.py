@@ -56,7 +56,7 @@ def main(args) -> int:
                                on_prompt=lambda i: bar.update(1))
     bar.close()
     report = result.to_json()
-    report.update(target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+    report.update(command=args.command_line, target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                   device=str(target.device), dtype=str(target.dtype))
     text = json.dumps(report, indent=2)
     print(text)

@@ -24,11 +24,6 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_kwarg(type(model)): cache}
 
 
-def output_cache(outputs):
-    """The cache returned by a forward, under either name."""
-    return getattr(outputs, "cache", None) if "cache" in outputs else outputs.past_key_values
-
-
 def find_cache(model_kwargs: dict):
     """Pop the cache `generate()` prepared (under either name), or None."""
     found = None

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.utils import ModelOutput
 
 from .modeling_dscale import DraftContextCache, tap_layers
 
@@ -64,11 +63,12 @@ class TapRecorder:
 
 
 @dataclass
-class DraftGenerateOutput(ModelOutput):
-    """What `AssistedCandidateGenerator` reads back from `assistant.generate`.
+class DraftGenerateOutput:
+    """What `AssistedCandidateGenerator` reads back from `assistant.generate` (by attribute).
 
-    The drafter keeps its own context cache, so it hands transformers no cache (under either of the
-    names transformers has used for it).
+    The drafter keeps its own context cache, so it hands transformers no cache, under either of the
+    names transformers has read it by (`past_key_values` before 5.24, `cache` since). A plain dataclass,
+    not a `ModelOutput`, so that the old name raises no deprecation warning.
     """
 
     sequences: torch.LongTensor | None = None

@@ -1,0 +1,40 @@
+"""`hf-dscale card`: write a drafter folder's README.md (Hub model card) from bench reports."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("card", help="write the model card of a drafter folder from `hf-dscale bench` JSON reports")
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--name", default=None, help="repo name (default: the folder name)")
+    p.add_argument("--target-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--bench", nargs="*", default=[], metavar="LABEL=REPORT.json")
+    p.add_argument("--training", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--notes", default="", help="a markdown file appended to the card")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from ..hub import render_card
+    from ..models import DScaleDrafter
+
+    config = DScaleDrafter.config_class.from_pretrained(args.drafter)
+    benches = []
+    for item in args.bench:
+        label, path = item.split("=", 1)
+        with open(path) as f:
+            report = json.load(f)
+        report["prompts_name"] = os.path.basename(report.get("prompts", ""))
+        benches.append({"label": label, "command": report.get("command", ""), "report": report})
+    training = dict(item.split("=", 1) for item in args.training)
+    notes = open(args.notes).read() if args.notes else ""
+    name = args.name or os.path.basename(os.path.abspath(args.drafter))
+    card = render_card(name, config, args.target_name, args.base_model, training, benches, notes)
+    with open(os.path.join(args.drafter, "README.md"), "w") as f:
+        f.write(card)
+    print(f"wrote {os.path.join(args.drafter, 'README.md')}")
+    return 0

@@ -1,0 +1,101 @@
+"""Model cards in the Hub's format (YAML front matter + markdown), filled from measured bench reports."""
+
+from __future__ import annotations
+
+
+def _bench_table(benches: list[dict]) -> str:
+    lines = [
+        "| drafter | prompts | n | tau | tokens/s | plain tokens/s | speedup | identical | stage ms (draft / verify / other) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in benches:
+        r, s = b["report"], b["report"]["stage_ms"]
+        lines.append(
+            f"| {b['label']} | {r.get('prompts_name', r.get('prompts', ''))} | {r['n_prompts']} | {r['tau']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['identical']} | "
+            f"{s['draft']:.0f} / {s['verify']:.0f} / {s['other']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def render_card(
+    name: str,
+    config,
+    target_name: str,
+    base_model: str,
+    training: dict,
+    benches: list[dict],
+    notes: str = "",
+) -> str:
+    """The README.md of a drafter folder.
+
+    Args:
+        config: the drafter's `DScaleConfig`.
+        training: free-form facts of the training run (data, budget, command).
+        benches: dicts with `label`, `command` and `report` (the JSON written by `hf-dscale bench`).
+    """
+    method = "DScale (layer-wise fusion)" if config.fusion == "layerwise" else "DFlash (shared fusion)"
+    commands = "\n".join(f"# {b['label']}\n{b['command']}" for b in benches)
+    training_lines = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
+    return f"""---
+library_name: transformers
+license: apache-2.0
+base_model: {base_model}
+pipeline_tag: text-generation
+tags:
+- speculative-decoding
+- block-diffusion
+- dscale
+- dflash
+- hf_dscale
+---
+
+# {name}
+
+A block-diffusion **drafter** for `{target_name}`: it proposes {config.block_size - 1} tokens in one forward pass,
+conditioned on the target's hidden states, and the target verifies them in one pass. Output is exactly the
+target's (greedy) or has the target's distribution (sampling). It has no embedding or LM head of its own: it
+borrows the target's, so it only works with `{target_name}`.
+
+| | |
+|---|---|
+| method | {method} |
+| draft layers | {config.num_hidden_layers} (hidden {config.hidden_size}, {config.num_attention_heads} heads / {config.num_key_value_heads} KV heads) |
+| target layers tapped | {list(config.target_layer_ids)} (id = output of decoder layer id = `hidden_states[id + 1]`) |
+| block size | {config.block_size} (anchor + {config.block_size - 1} drafts) |
+| mask token id | {config.mask_token_id} |
+
+## Usage
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM
+target = AutoModelForCausalLM.from_pretrained(TARGET)  # {target_name}
+drafter = AutoModel.from_pretrained("{name}", trust_remote_code=True)
+out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
+```
+
+With `hf_dscale` installed, batches run through `custom_generate` (also as this repo's
+`custom_generate/generate.py`):
+
+```python
+from hf_dscale.generation import custom_generate
+out = target.generate(**batch, custom_generate=custom_generate, drafter=drafter, max_new_tokens=256)
+```
+
+## Training
+
+{training_lines}
+
+## Measured
+
+Greedy, plain `generate()` and speculative decoding side by side in one process (`tau` = tokens committed per
+target forward, bonus included):
+
+{_bench_table(benches)}
+
+```bash
+{commands}
+```
+
+{notes}
+"""

@@ -1,0 +1,68 @@
+"""The `hf-dscale` command on a tiny target saved to disk (the JSON keys are a public contract)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hf_dscale.cli import main
+
+from ..conftest import tiny_drafter, tiny_target
+from ..training.test_trainer import _tokenizer
+
+PROMPTS = os.path.join(os.path.dirname(__file__), "..", "data", "prompts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = tiny_target("qwen3")
+    target.save_pretrained(root / "target")
+    _tokenizer().save_pretrained(root / "target")
+    tiny_drafter(target).save_pretrained(root / "drafter")
+    return root
+
+
+def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--method", "dscale", "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12",
+                 "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    for key in ("method", "n_prompts", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical",
+                "stage_ms"):
+        assert key in report
+    assert report["n_prompts"] == 2 and report["identical"] is True and report["tau"] >= 1.0
+    assert set(report["stage_ms"]) == {"draft", "verify", "other"}
+    assert report["command"].startswith("hf-dscale bench")
+
+
+def test_train_then_card(folders, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "drafter"
+    code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),
+                 "--out", str(out), "--fusion", "shared", "--num-taps", "2", "--block-size", "4",
+                 "--mask-token-id", "95", "--max-new-tokens", "8", "--steps", "3", "--save-every", "2",
+                 "--num-anchors", "4", "--grad-accum", "1"])
+    assert code == 0
+    assert (out / "model.safetensors").exists() and (out / "checkpoint-2" / "trainer_state.pt").exists()
+    assert len((out / "log.jsonl").read_text().splitlines()) == 3
+    bench = tmp_path / "b.json"
+    assert main(["bench", "--target", str(folders / "target"), "--drafter", str(out), "--prompts", PROMPTS,
+                 "--limit", "1", "--max-new-tokens", "6", "--json", str(bench)]) == 0
+    assert main(["card", "--drafter", str(out), "--bench", f"DFlash={bench}", "--training", "data=tiny"]) == 0
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "DFlash (shared fusion)" in card and "hf-dscale bench" in card
+
+
+def test_bad_input_gives_a_clear_error(folders, tmp_path, capsys):
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(tmp_path / "missing"),
+                 "--prompts", PROMPTS])
+    assert code == 2
+    assert "No drafter at" in capsys.readouterr().err
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "target"),
+                 "--prompts", PROMPTS])
+    assert code == 2
+    assert "not a DScale, DFlash or DFlare drafter" in capsys.readouterr().err
