@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import cache as cache_api
+from ..models.dscale import compat
 from .decode import speculative_generate
 
 
@@ -62,7 +62,7 @@ def generate(
         stopping_criteria=stopping_criteria,
         do_sample=bool(generation_config.do_sample),
         pad_token_id=int(pad),
-        cache=cache_api.find_cache(model_kwargs),
+        cache=compat.find_cache(model_kwargs),
         streamer=streamer_,
     )
     if dscale_stats is not None:

@@ -19,7 +19,7 @@ import torch
 
 from ..models.dscale.assistant import TapRecorder, choose_tokens
 from ..models.dscale.modeling_dscale import DraftContextCache
-from . import cache as cache_api
+from ..models.dscale import compat
 from .acceptance import greedy_accept, speculative_accept
 from .types import DecodeStats
 
@@ -103,7 +103,7 @@ def speculative_generate(
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)
     stats = DecodeStats()
-    cache = cache if cache is not None else cache_api.new_cache(target)
+    cache = cache if cache is not None else compat.new_cache(target)
     dcache = DraftContextCache(drafter.config.num_hidden_layers)
     recorder = TapRecorder(target, drafter.config.target_layer_ids)
     try:
@@ -111,7 +111,7 @@ def speculative_generate(
         t0 = time.perf_counter()
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         out = target(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
-                     use_cache=True, logits_to_keep=1, **cache_api.cache_kwargs(target, cache))
+                     use_cache=True, logits_to_keep=1, **compat.cache_kwargs(target, cache))
         logits = _process(out.logits[:, -1:].float(), rows, None, logits_processor)[:, 0]
         first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if do_sample else logits.argmax(-1)
         for i in range(b):
@@ -131,7 +131,7 @@ def speculative_generate(
             block_pos = anchor_pos[:, None] + torch.arange(gamma, device=device)
             mask = torch.cat((valid, valid.new_ones(b, gamma)), dim=1)
             out = target(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
-                         **cache_api.cache_kwargs(target, cache))
+                         **compat.cache_kwargs(target, cache))
             t2 = time.perf_counter()
             p_logits = _process(out.logits.float(), rows, block, logits_processor)
             if do_sample:
@@ -153,7 +153,7 @@ def speculative_generate(
                 width = max(width, n)
             stats.cycles += 1
 
-            cache_api.crop_to(cache, valid.shape[1] + width)
+            compat.crop_to(cache, valid.shape[1] + width)
             valid = torch.cat((valid, new_valid[:, :width]), dim=1)
             taps = recorder.taps()[:, :width]
             ctx_pos = block_pos[:, :width]

@@ -69,3 +69,40 @@ def test_custom_generate_batch_with_holes_feeds_the_right_context():
                           custom_generate=custom_generate, drafter=drafter)
     rows = [out[b][torch.cat((mask[b].bool(), torch.ones(25, dtype=torch.bool)))].tolist() for b in range(3)]
     _check(target, drafter, rows)
+
+
+class NativeRecordingDrafter(DScaleDrafter):
+    calls: list
+
+    def _native_forward(self, noise_embeds, context_hidden_states, position_ids, **kw):
+        out = super()._native_forward(noise_embeds, context_hidden_states, position_ids, **kw)
+        self.calls.append((noise_embeds.clone(), position_ids[:, -noise_embeds.shape[1]:].clone(),
+                           out.last_hidden_state.clone()))
+        return out
+
+
+def test_native_speculation_type_dflash():
+    from hf_dscale.models.dscale.compat import native_dflash_reads_layer_outputs
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, cls=NativeRecordingDrafter)
+    drafter.calls = []
+    ids, _ = _prompt(1, 9, seed=6)
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    if not native_dflash_reads_layer_outputs():
+        with pytest.raises(ValueError, match="one layer off"):
+            target.generate(ids, assistant_model=drafter, speculation_type="dflash", max_new_tokens=30)
+        return
+    out = target.generate(ids, assistant_model=drafter, speculation_type="dflash", max_new_tokens=30,
+                          do_sample=False)
+    assert torch.equal(plain, out)
+    assert len(drafter.calls) > 2
+    recorder = TapRecorder(target, drafter.config.target_layer_ids)
+    for noise_embeds, block_positions, hidden in drafter.calls:
+        a = int(block_positions[0, 0])
+        with torch.no_grad():
+            target(out[:, :a])
+            expected = DScaleDrafter.forward(drafter, noise_embeds, recorder.taps(), block_positions,
+                                             torch.arange(a)[None])
+        torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+    recorder.remove()

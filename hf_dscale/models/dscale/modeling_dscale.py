@@ -79,16 +79,28 @@ class DraftContextCache:
     def __len__(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new context K/V (kc, vc); return [all context | block] keys and values."""
         if self.keys[layer] is not None:
-            k = torch.cat((self.keys[layer], k), dim=-2)
-            v = torch.cat((self.values[layer], v), dim=-2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+            kc = torch.cat((self.keys[layer], kc), dim=-2)
+            vc = torch.cat((self.values[layer], vc), dim=-2)
+        self.keys[layer], self.values[layer] = kc, vc
+        return torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.keys = [None if k is None else k[rows] for k in self.keys]
         self.values = [None if v is None else v[rows] for v in self.values]
+
+
+class _TransformersCache:
+    """Adapter for the cache of transformers' built-in DFlash generator, which keeps context *and* block
+    K/V and crops the block itself before the next call."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2), layer)
 
 
 class DScaleAttention(nn.Module):
@@ -131,9 +143,9 @@ class DScaleAttention(nn.Module):
         kc = apply_rope(self.k_norm(self._heads(k_proj(context), self.num_kv_heads)), *context_rope)
         vc = self._heads(v_proj(context), self.num_kv_heads)
         if cache is not None:
-            kc, vc = cache.update(self.layer_idx, kc, vc)
-        k = torch.cat((kc, kb), dim=-2)
-        v = torch.cat((vc, vb), dim=-2)
+            k, v = cache.extend(self.layer_idx, kc, vc, kb, vb)
+        else:
+            k, v = torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2)
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
@@ -287,14 +299,22 @@ class DScaleDrafter(DScalePreTrainedModel):
 
     def forward(
         self,
-        block_embeds: torch.Tensor,  # [B, Q, H]
-        taps: torch.Tensor,  # [B, S, T, H] target hidden states of the new context tokens
-        block_position_ids: torch.Tensor,  # [B, Q]
-        context_position_ids: torch.Tensor,  # [B, S]
+        block_embeds: torch.Tensor | None = None,  # [B, Q, H]
+        taps: torch.Tensor | None = None,  # [B, S, T, H] target hidden states of the new context tokens
+        block_position_ids: torch.Tensor | None = None,  # [B, Q]
+        context_position_ids: torch.Tensor | None = None,  # [B, S]
         cache: DraftContextCache | None = None,
         attention_mask: torch.Tensor | None = None,  # [B, 1, Q, C + Q] bool, True = attend
+        **native,
     ) -> torch.Tensor:
-        """Returns the final-normed block hidden states [B, Q, H] (apply the target LM head for logits)."""
+        """Returns the final-normed block hidden states [B, Q, H] (apply the target LM head for logits).
+
+        transformers' built-in DFlash generator (`speculation_type="dflash"`) calls with its own names
+        (`noise_embeds`, `context_hidden_states`, `position_ids`, `cache`/`past_key_values`); see
+        `_native_forward`.
+        """
+        if "noise_embeds" in native:
+            return self._native_forward(cache=cache, **native)
         fused = self.fuse(taps)
         hidden = block_embeds.to(self.norm.weight.dtype)
         block_rope = self.rotary(block_position_ids, hidden.dtype)
@@ -303,6 +323,26 @@ class DScaleDrafter(DScalePreTrainedModel):
             context = fused if self.fc is not None else fused[:, :, i]
             hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask)
         return self.norm(hidden)
+
+    def _native_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
+                        past_key_values=None, **unused):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        from .compat import native_dflash_reads_layer_outputs
+
+        if not native_dflash_reads_layer_outputs():
+            raise ValueError(
+                "This transformers release's built-in DFlash generator passes hidden_states[i] (the output of layer "
+                "i-1) for target layer i, one layer off from what this drafter was trained on. Use "
+                "`target.generate(..., assistant_model=drafter)` without speculation_type (same output, right "
+                "taps), or transformers >= 5.23."
+            )
+        b, s, _ = context_hidden_states.shape
+        taps = context_hidden_states.view(b, s, self.config.num_taps, self.config.hidden_size)
+        hf_cache = cache if cache is not None else past_key_values
+        hidden = self(noise_embeds, taps, position_ids[:, s:], position_ids[:, :s],
+                      None if hf_cache is None else _TransformersCache(hf_cache))
+        return BaseModelOutput(last_hidden_state=hidden)
 
     def draft_logits(
         self,
