@@ -78,6 +78,81 @@ def _commit(rows: _Rows, b: int, tokens: list[int], scores: torch.Tensor, stoppi
     return len(tokens)
 
 
+class _Decoder:
+    """The loop's fixed parts (models, caches, processors) and its moving state (columns, anchors)."""
+
+    def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer):
+        self.target, self.drafter, self.rows = target, drafter, rows
+        self.cache, self.processors, self.criteria = cache, processors, criteria
+        self.do_sample, self.streamer = do_sample, streamer
+        self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
+        self.recorder = TapRecorder(target, drafter.config.target_layer_ids)
+        self.stats = DecodeStats()
+        # Moving state: valid [B, C] over cache columns; each row's anchor (last committed token, not yet
+        # run through the target) and its position; the taps [B, S, T, H] the drafter has not ingested yet
+        # and their positions [B, S].
+        self.valid = self.anchors = self.anchor_pos = self.taps = self.ctx_pos = None
+
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """The prompt through the target; the first token; the drafter's context = the prompt's taps."""
+        t0 = time.perf_counter()
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        out = self.target(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
+                          use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
+        logits = _process(out.logits[:, -1:].float(), self.rows, None, self.processors)[:, 0]
+        first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
+        for i in range(input_ids.shape[0]):
+            _commit(self.rows, i, [int(first[i])], logits[i : i + 1], self.criteria)
+        if self.streamer is not None:
+            self.streamer.put(input_ids.cpu())
+            self.streamer.put(first.cpu())
+        self.valid, self.anchors, self.anchor_pos = valid, first, valid.sum(-1)
+        self.taps, self.ctx_pos = self.recorder.taps(), positions
+        self.stats.other_s += time.perf_counter() - t0
+
+    def cycle(self) -> None:
+        """Draft a block per row, verify all rows in one target forward, commit, crop."""
+        b, gamma = self.anchors.shape[0], self.drafter.config.block_size
+        t0 = time.perf_counter()
+        draft_ids, q_logits = _draft(self.drafter, self.rows, self.anchors, self.taps, self.anchor_pos,
+                                     self.ctx_pos, self.dcache, self.valid, self.processors, self.do_sample)
+        t1 = time.perf_counter()
+        block = torch.cat((self.anchors[:, None], draft_ids), dim=1)  # [B, γ]
+        block_pos = self.anchor_pos[:, None] + torch.arange(gamma, device=block.device)
+        mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1)
+        out = self.target(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
+                          **compat.cache_kwargs(self.target, self.cache))
+        t2 = time.perf_counter()
+        p_logits = _process(out.logits.float(), self.rows, block, self.processors)
+        if self.do_sample:
+            num_accepted, output_ids = speculative_accept(draft_ids, q_logits.softmax(-1), p_logits.softmax(-1))
+        else:
+            num_accepted, output_ids = greedy_accept(draft_ids, p_logits)
+
+        width = 1  # columns of this block that stay in the cache: the longest accepted run
+        new_valid = self.valid.new_zeros(b, gamma)
+        for i in range(b):
+            if self.rows.finished[i]:
+                continue
+            n = int(num_accepted[i]) + 1
+            committed = _commit(self.rows, i, output_ids[i, :n].tolist(), p_logits[i], self.criteria)
+            self.stats.committed.append(committed)
+            if self.streamer is not None:
+                self.streamer.put(output_ids[i, :committed].cpu())
+            new_valid[i, :n] = True  # the anchor and the accepted drafts; the rest become holes
+            width = max(width, n)
+
+        compat.crop_to(self.cache, self.valid.shape[1] + width)
+        self.valid = torch.cat((self.valid, new_valid[:, :width]), dim=1)
+        self.taps, self.ctx_pos = self.recorder.taps()[:, :width], block_pos[:, :width]
+        self.anchors = output_ids.gather(1, num_accepted[:, None])[:, 0]
+        self.anchor_pos = self.anchor_pos + num_accepted + 1
+        self.stats.cycles += 1
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.other_s += time.perf_counter() - t2
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -98,72 +173,16 @@ def speculative_generate(
     if drafter.target is not target:
         drafter.bind_target(target)
     b, p = input_ids.shape
-    device = input_ids.device
-    gamma = drafter.config.block_size
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)
-    stats = DecodeStats()
     cache = cache if cache is not None else compat.new_cache(target)
-    dcache = DraftContextCache(drafter.config.num_hidden_layers)
-    recorder = TapRecorder(target, drafter.config.target_layer_ids)
+    decoder = _Decoder(target, drafter, rows, cache, logits_processor, stopping_criteria, do_sample, streamer)
     try:
-        # Prefill: the prompt through the target, first token, drafter context = the prompt's taps.
-        t0 = time.perf_counter()
-        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-        out = target(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
-                     use_cache=True, logits_to_keep=1, **compat.cache_kwargs(target, cache))
-        logits = _process(out.logits[:, -1:].float(), rows, None, logits_processor)[:, 0]
-        first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if do_sample else logits.argmax(-1)
-        for i in range(b):
-            _commit(rows, i, [int(first[i])], logits[i : i + 1], stopping_criteria)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-            streamer.put(first.cpu())
-        anchors, anchor_pos, taps, ctx_pos = first, valid.sum(-1), recorder.taps(), positions
-        stats.other_s += time.perf_counter() - t0
-
+        decoder.prefill(input_ids, valid)
         while not all(rows.finished):
-            t0 = time.perf_counter()
-            draft_ids, q_logits = _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid,
-                                         logits_processor, do_sample)
-            t1 = time.perf_counter()
-            block = torch.cat((anchors[:, None], draft_ids), dim=1)  # [B, γ]
-            block_pos = anchor_pos[:, None] + torch.arange(gamma, device=device)
-            mask = torch.cat((valid, valid.new_ones(b, gamma)), dim=1)
-            out = target(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
-                         **compat.cache_kwargs(target, cache))
-            t2 = time.perf_counter()
-            p_logits = _process(out.logits.float(), rows, block, logits_processor)
-            if do_sample:
-                num_accepted, output_ids = speculative_accept(draft_ids, q_logits.softmax(-1), p_logits.softmax(-1))
-            else:
-                num_accepted, output_ids = greedy_accept(draft_ids, p_logits)
-
-            width = 1  # columns of this block that stay in the cache
-            new_valid = valid.new_zeros(b, gamma)
-            for i in range(b):
-                if rows.finished[i]:
-                    continue
-                n = int(num_accepted[i]) + 1
-                committed = _commit(rows, i, output_ids[i, :n].tolist(), p_logits[i], stopping_criteria)
-                stats.committed.append(committed)
-                if streamer is not None:
-                    streamer.put(output_ids[i, :committed].cpu())
-                new_valid[i, :n] = True  # the anchor and the accepted drafts
-                width = max(width, n)
-            stats.cycles += 1
-
-            compat.crop_to(cache, valid.shape[1] + width)
-            valid = torch.cat((valid, new_valid[:, :width]), dim=1)
-            taps = recorder.taps()[:, :width]
-            ctx_pos = block_pos[:, :width]
-            anchors = output_ids.gather(1, num_accepted[:, None])[:, 0]
-            anchor_pos = anchor_pos + num_accepted + 1
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.other_s += time.perf_counter() - t2
+            decoder.cycle()
     finally:
-        recorder.remove()
+        decoder.recorder.remove()
         if streamer is not None:
             streamer.end()
 
@@ -172,4 +191,4 @@ def speculative_generate(
     out_ids[:, :p] = input_ids
     for i, g in enumerate(rows.generated):
         out_ids[i, p : p + len(g)] = input_ids.new_tensor(g)
-    return out_ids, stats
+    return out_ids, decoder.stats
