@@ -21,6 +21,7 @@ class BenchResult:
     identical: bool = True
     mismatches: list[str] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # speculative sequences, per prompt
 
     def to_json(self) -> dict:
         cycles = max(1, self.stats.cycles)
@@ -82,6 +83,7 @@ def bench_speculative(
         result.baseline_s += t_plain
         result.method_s += t_spec
         result.stats.merge(stats)
+        result.outputs.append(spec)
         if not torch.equal(plain, spec):
             result.identical = False
             result.mismatches.append(name)

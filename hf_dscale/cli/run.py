@@ -5,8 +5,8 @@ from __future__ import annotations
 from .common import DEFAULT_DRAFTER, add_model_args, load_models
 
 DEFAULT_PROMPT = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?"
+    "A baker makes 14 loaves of bread in the morning and twice as many in the afternoon. "
+    "She sells all but 9 of them. How many loaves does she sell?"
 )
 
 
@@ -19,19 +19,17 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    import torch
+
     from ..evaluation import bench_speculative
     from ..training.data import render_prompt
 
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
     target, tokenizer, drafter = load_models(args)
-    ids = __import__("torch").tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
+    ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens)
     report = result.to_json()
-    from ..generation import custom_generate
-
-    out = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                          custom_generate=custom_generate, drafter=drafter)
-    print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward")
     print(f"speculative {report['tokens_per_s']:.1f} tokens/s vs plain generate() {report['baseline_tokens_per_s']:.1f} "
           f"tokens/s: speedup {report['speedup']:.2f}x; identical to plain greedy: {report['identical']}")

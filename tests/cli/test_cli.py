@@ -66,3 +66,11 @@ def test_bad_input_gives_a_clear_error(folders, tmp_path, capsys):
                  "--prompts", PROMPTS])
     assert code == 2
     assert "not a DScale, DFlash or DFlare drafter" in capsys.readouterr().err
+
+
+def test_run_prints_tau_and_speedup(folders, capsys):
+    code = main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "acceptance length tau" in out and "identical to plain greedy: True" in out
