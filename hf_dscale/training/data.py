@@ -71,15 +71,22 @@ def _atomic_json(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, W] and attention mask [N, W] of token lists padded on the left to the longest."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def _answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
     """Greedy answers for a batch of rendered prompts -> list of response id lists (EOS kept)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = _left_pad(prompts, pad_id)
+    width = ids.shape[1]
     device = target.device
     out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                           do_sample=False, pad_token_id=pad_id)
@@ -95,12 +102,8 @@ def _answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: i
 @torch.no_grad()
 def _taps(target, recorder: TapRecorder, sequences: list[list[int]], pad_id: int) -> list[torch.Tensor]:
     """Tapped hidden states [L_i, T, H] of each unpadded sequence (batched with left padding)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(sequences):
-        ids[i, width - len(s):] = torch.tensor(s)
-        mask[i, width - len(s):] = 1
+    ids, mask = _left_pad(sequences, pad_id)
+    width = ids.shape[1]
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     device = target.device
     target(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
