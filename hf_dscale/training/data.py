@@ -51,18 +51,21 @@ def render_prompt(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+def shard_names(folder: str) -> list[str]:
+    """Finished shards ("shard-00000", ...), in order: a shard counts once its index file is written."""
+    return sorted(n[:-5] for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json"))
+
+
 def _done_ids(folder: str) -> set[str]:
     done = set()
-    for name in os.listdir(folder):
-        if name.startswith("shard-") and name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
-                done.update(json.load(f))
+    for name in shard_names(folder):
+        with open(os.path.join(folder, name + ".json")) as f:
+            done.update(json.load(f))
     return done
 
 
 def _next_shard(folder: str) -> int:
-    shards = [n for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json")]
-    return 1 + max((int(n[6:11]) for n in shards), default=-1)
+    return 1 + max((int(n[6:]) for n in shard_names(folder)), default=-1)
 
 
 def _atomic_json(obj, path: str) -> None:
@@ -83,7 +86,7 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def _answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
+def _answer_batch(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
     """Greedy answers for a batch of rendered prompts -> list of response id lists (EOS kept)."""
     ids, mask = _left_pad(prompts, pad_id)
     width = ids.shape[1]
@@ -148,7 +151,7 @@ def generate_data(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             prompts = [render_prompt(tokenizer, row["prompt"])[-max_prompt_tokens:] for row in batch]
-            responses = _answer_batch(target, tokenizer, prompts, max_new_tokens, pad_id)
+            responses = _answer_batch(target, prompts, max_new_tokens, pad_id)
             sequences = [p + r for p, r in zip(prompts, responses)]
             taps = _taps(target, recorder, sequences, pad_id)
             lengths = [len(s) for s in sequences]
@@ -183,11 +186,14 @@ def load_meta(folder: str) -> dict:
         return json.load(f)
 
 
+def read_shard(folder: str, name: str) -> list[Sample]:
+    data = load_file(os.path.join(folder, name + ".safetensors"))
+    offsets = data["offsets"].tolist()
+    return [Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(), data["taps"][a:b])
+            for a, b in zip(offsets[:-1], offsets[1:])]
+
+
 def iter_samples(folder: str) -> Iterator[Sample]:
     """Every finished sample of a data folder, shard by shard."""
-    names = sorted(n[:-5] for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json"))
-    for name in names:
-        data = load_file(os.path.join(folder, name + ".safetensors"))
-        offsets = data["offsets"].tolist()
-        for a, b in zip(offsets[:-1], offsets[1:]):
-            yield Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(), data["taps"][a:b])
+    for name in shard_names(folder):
+        yield from read_shard(folder, name)

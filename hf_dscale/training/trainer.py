@@ -19,10 +19,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-from safetensors.torch import load_file
 
 from ..models import DScaleDrafter
-from .data import Sample, load_meta
+from .data import Sample, load_meta, read_shard, shard_names
 from .losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 
@@ -52,7 +51,7 @@ class SampleStream:
 
     def __init__(self, folder: str, tap_index: list[int], seed: int, rank: int = 0, world: int = 1):
         self.folder, self.tap_index, self.seed, self.rank, self.world = folder, tap_index, seed, rank, world
-        self.shards = sorted(n[:-5] for n in os.listdir(folder) if n.startswith("shard-") and n.endswith(".json"))
+        self.shards = shard_names(folder)
         if not self.shards:
             raise FileNotFoundError(f"No finished shards in {folder}: generate data first.")
         self.consumed = 0
@@ -60,12 +59,10 @@ class SampleStream:
     def _epoch(self, epoch: int) -> Iterator[Sample]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         for shard in torch.randperm(len(self.shards), generator=g).tolist():
-            data = load_file(os.path.join(self.folder, self.shards[shard] + ".safetensors"))
-            offsets = data["offsets"].tolist()
-            for j in torch.randperm(len(offsets) - 1, generator=g).tolist():
-                a, b = offsets[j], offsets[j + 1]
-                yield Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(),
-                             data["taps"][a:b][:, self.tap_index])
+            samples = read_shard(self.folder, self.shards[shard])
+            for j in torch.randperm(len(samples), generator=g).tolist():
+                s = samples[j]
+                yield Sample(s.input_ids, s.loss_mask, s.taps[:, self.tap_index])
 
     def __iter__(self) -> Iterator[tuple[int, Sample]]:
         """(global sample number, sample); the number also seeds that sample's anchors."""

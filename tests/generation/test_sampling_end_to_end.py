@@ -6,7 +6,6 @@ enumerated (1 + 8 + 64 prefixes) and compared with the empirical marginals of sp
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

@@ -53,9 +53,6 @@ class TapRecorder:
             raise RuntimeError("The target has not run since the tap hooks were installed.")
         return torch.stack(self.outputs, dim=2)
 
-    def clear(self) -> None:
-        self.outputs = [None] * len(self.outputs)
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
