@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-anchors", type=int, default=64)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--vp-beta", type=float, default=None, help="train a variable-prefix drafter with this prior")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter's weights (its config wins over the shape flags above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--mixed-precision", default="auto", help="auto = bf16 on CUDA, no on CPU")
@@ -60,9 +62,12 @@ def main(args) -> int:
 
     device = pick_device(args.device)
     target, tokenizer = load_target(args.target, args.gguf_file, dtype=pick_dtype("auto", device), device=device)
-    config = DScaleConfig.from_target(target.config, num_hidden_layers=args.draft_layers, num_taps=args.num_taps,
-                                      fusion=args.fusion, mask_token_id=_mask_token(args, tokenizer),
-                                      block_size=args.block_size)
+    if args.init_from:
+        config = DScaleConfig.from_pretrained(args.init_from)
+    else:
+        config = DScaleConfig.from_target(target.config, num_hidden_layers=args.draft_layers, num_taps=args.num_taps,
+                                          fusion=args.fusion, mask_token_id=_mask_token(args, tokenizer),
+                                          block_size=args.block_size)
     layer_ids = ([int(x) for x in args.data_layer_ids.split(",")] if args.data_layer_ids
                  else list(config.target_layer_ids))
     if args.prompts:
@@ -73,11 +78,11 @@ def main(args) -> int:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, num_anchors=args.num_anchors,
                       save_every=args.save_every, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta)
     torch.manual_seed(args.seed)
-    drafter = DScaleDrafter(config).to(device)
+    drafter = (DScaleDrafter.from_pretrained(args.init_from) if args.init_from else DScaleDrafter(config)).to(device)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_args.json"), "w") as f:
         json.dump(vars(args) | {"func": None}, f, indent=2, default=str)
-    bar = tqdm(total=args.steps, desc=f"train {args.fusion}", unit="step")
+    bar = tqdm(total=args.steps, desc=f"train {config.fusion}", unit="step")
 
     def on_step(step, metrics):
         bar.n = step

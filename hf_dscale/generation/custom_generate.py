@@ -11,6 +11,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.dscale import compat
+from .d2sd import tree_generate
 from .decode import speculative_generate
 
 
@@ -31,6 +32,9 @@ def generate(
     stopping_criteria=None,
     generation_config=None,
     drafter=None,
+    vp_drafter=None,
+    num_branches: int = 4,
+    branch_policy: str = "vp",
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -39,6 +43,10 @@ def generate(
 
     Args:
         drafter: a `DScaleDrafter` (or a path to one) trained for `model`.
+        vp_drafter: a variable-prefix drafter (or a path) to decode with D²SD: the first drafter's draft
+            plus `num_branches` re-drafted branches, verified as one token tree. Batches run row by row.
+        branch_policy: "vp" (the VP drafter's argmax everywhere, as in the paper) or "distinct" (at a
+            branch point, the VP drafter's best token other than the first draft's).
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:
@@ -53,10 +61,7 @@ def generate(
     if pad is None:
         eos = generation_config.eos_token_id
         pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
-    sequences, stats = speculative_generate(
-        model,
-        drafter,
-        input_ids,
+    common = dict(
         attention_mask=model_kwargs.get("attention_mask"),
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
@@ -65,6 +70,12 @@ def generate(
         cache=compat.find_cache(model_kwargs),
         streamer=streamer_,
     )
+    if vp_drafter is not None:
+        vp_drafter = _load_drafter(vp_drafter, model)
+        sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
+                                         branch_policy=branch_policy, **common)
+    else:
+        sequences, stats = speculative_generate(model, drafter, input_ids, **common)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

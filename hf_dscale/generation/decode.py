@@ -24,6 +24,27 @@ from .acceptance import greedy_accept, speculative_accept
 from .types import DecodeStats
 
 
+class _ForRow:
+    """`generate()`'s logits processors applied to row `row` of a batch of `batch` rows.
+
+    Some processors keep per-row state (repetition penalty ignores each row's left padding through a
+    [batch] tensor), so they are called on `batch` copies of the row and row `row` is read back.
+    Iterable as a one-element list, as `choose_tokens` expects.
+    """
+
+    def __init__(self, processors, row: int, batch: int):
+        self.processors, self.row, self.batch = processors, row, batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.batch == 1:
+            return self.processors(input_ids, scores)
+        out = self.processors(input_ids.expand(self.batch, -1), scores.expand(self.batch, -1).clone())
+        return out[self.row : self.row + 1]
+
+    def __iter__(self):
+        yield self
+
+
 @dataclass
 class _Rows:
     """Per-row state of the loop (B rows)."""
@@ -39,9 +60,12 @@ class _Rows:
             parts.append(extra)
         return torch.cat(parts)[None]
 
+    def processors_for(self, processors, b: int) -> _ForRow | None:
+        return _ForRow(processors, b, self.prompt.shape[0]) if processors else None
 
-def _process(logits: torch.Tensor, rows: _Rows, block: torch.Tensor | None, processors) -> torch.Tensor:
-    """Apply logits processors to target logits [B, Q, V].
+
+def _process(logits: torch.Tensor, rows: _Rows, block: torch.Tensor | None, processors, row_ids=None) -> torch.Tensor:
+    """Apply logits processors to target logits [B, Q, V] (logits row i belongs to row row_ids[i]).
 
     Position k predicts the token after block[:, k]; the anchor block[:, 0] is already committed, so the
     processors see the row + block[:, 1:k+1].
@@ -49,10 +73,12 @@ def _process(logits: torch.Tensor, rows: _Rows, block: torch.Tensor | None, proc
     if not processors:
         return logits
     out = logits.clone()
-    for b in range(logits.shape[0]):
+    for i in range(logits.shape[0]):
+        b = i if row_ids is None else row_ids[i]
+        apply = rows.processors_for(processors, b)
         for k in range(logits.shape[1]):
-            extra = None if block is None else block[b, 1 : k + 1]
-            out[b, k] = processors(rows.sequence(b, extra), logits[b, k][None])[0]
+            extra = None if block is None else block[i, 1 : k + 1]
+            out[i, k] = apply(rows.sequence(b, extra), logits[i, k][None])[0]
     return out
 
 
@@ -62,7 +88,7 @@ def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, pro
     if not processors and not do_sample:
         return choose_tokens(logits, anchors[:, None])
     picked = [
-        choose_tokens(logits[b : b + 1], rows.sequence(b), processors, do_sample)
+        choose_tokens(logits[b : b + 1], rows.sequence(b), rows.processors_for(processors, b), do_sample)
         for b in range(logits.shape[0])
     ]
     return torch.cat([t for t, _ in picked]), torch.cat([s for _, s in picked])
@@ -81,13 +107,14 @@ def _commit(rows: _Rows, b: int, tokens: list[int], scores: torch.Tensor, stoppi
 class _Decoder:
     """The loop's fixed parts (models, caches, processors) and its moving state (columns, anchors)."""
 
-    def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer):
+    def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids=None):
         self.target, self.drafter, self.rows = target, drafter, rows
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
-        self.recorder = TapRecorder(target, drafter.config.target_layer_ids)
+        self.recorder = TapRecorder(target, layer_ids or drafter.config.target_layer_ids)
         self.stats = DecodeStats()
+        self.row_ids = list(range(rows.prompt.shape[0]))  # the rows this decoder advances, in batch order
         # Moving state: valid [B, C] over cache columns; each row's anchor (last committed token, not yet
         # run through the target) and its position; the taps [B, S, T, H] the drafter has not ingested yet
         # and their positions [B, S].
@@ -99,10 +126,10 @@ class _Decoder:
         positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
         out = self.target(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
                           use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
-        logits = _process(out.logits[:, -1:].float(), self.rows, None, self.processors)[:, 0]
+        logits = _process(out.logits[:, -1:].float(), self.rows, None, self.processors, self.row_ids)[:, 0]
         first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
-        for i in range(input_ids.shape[0]):
-            _commit(self.rows, i, [int(first[i])], logits[i : i + 1], self.criteria)
+        for i, b in enumerate(self.row_ids):
+            _commit(self.rows, b, [int(first[i])], logits[i : i + 1], self.criteria)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
             self.streamer.put(first.cpu())

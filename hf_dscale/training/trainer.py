@@ -137,6 +137,7 @@ def train_drafter(
     tap_index = [meta["layer_ids"].index(i) for i in drafter.config.target_layer_ids]
 
     drafter.bind_target(target)
+    drafter.config.prefix_prior = cfg.vp_beta  # marks a variable-prefix (D²SD second) drafter in its config
     for p in target.parameters():
         p.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()

@@ -151,3 +151,14 @@ def test_hub_style_custom_generate_folder():
     spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=18, do_sample=False,
                            custom_generate=os.path.abspath(folder), trust_remote_code=True, drafter=drafter)
     assert torch.equal(plain, spec)
+
+
+def test_batched_repetition_penalty_with_left_padding():
+    """Processors that keep per-row state (the penalty skips each row's padding) see the whole batch."""
+    target = tiny_target("qwen3")
+    ids, mask = _prompt(3, 10, seed=5)
+    kw = dict(max_new_tokens=25, do_sample=False, repetition_penalty=1.4)
+    plain = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    drafter = _oracle(target, plain, mask, 0.2)
+    spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(plain, spec)

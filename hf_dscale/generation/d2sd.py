@@ -1,0 +1,207 @@
+"""D²SD: a block drafter's draft plus a variable-prefix drafter's re-drafts, verified as one token tree.
+
+One cycle (batch size 1; `tree_generate` runs a batch row by row):
+
+1. The first drafter proposes γ-1 tokens t_1..t_{γ-1} greedily, with confidences c_k (its max
+   probability at temperature 1).
+2. Boundary scores r(i) = (c_1…c_i)(1 - c_{i+1}), i = 0..γ-2: the chance that the draft is rejected
+   right after i accepted tokens, if the confidences are calibrated and independent. The K best i are
+   the re-anchoring points.
+3. The variable-prefix (VP) drafter reads the K rows `[anchor, t_1..t_i, mask, ...]` in one batched
+   pass (the context K/V are computed once for all rows) and fills positions i+1..γ-1.
+4. The spine and the K branches become a token tree (shared prefixes stored once) and the target
+   verifies every node in one forward with an ancestor-only mask and positions anchor + depth.
+5. The target walks the tree (`walk_tree`): exact for greedy decoding, lossless for sampling. The
+   target cache keeps only the accepted path's K/V and both drafters read that path's hidden states
+   as their next context.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..models.dscale import compat
+from ..models.dscale.modeling_dscale import DraftContextCache
+from .decode import _commit, _Decoder, _Rows
+from .tree import TokenTree, walk_tree
+from .types import DecodeStats
+
+BRANCH_POLICIES = ("vp", "distinct")
+
+
+def boundary_scores(confidences: torch.Tensor) -> torch.Tensor:
+    """[γ-1] confidences c_1..c_{γ-1} -> [γ-1] scores r(0..γ-2), r(i) = (c_1…c_i)(1 - c_{i+1}).
+
+    Example: c = [0.9, 0.5, 0.8] -> r = [0.1, 0.45, 0.09].
+    """
+    kept = torch.cat((confidences.new_ones(1), confidences[:-1].cumprod(0)))
+    return kept * (1 - confidences)
+
+
+def top_prefixes(confidences: torch.Tensor, k: int) -> list[int]:
+    """The k most likely rejection boundaries (prefix lengths i), ascending."""
+    scores = boundary_scores(confidences.float())
+    k = min(k, scores.numel())
+    return sorted(scores.topk(k).indices.tolist())
+
+
+def _check_pair(drafter, vp_drafter) -> None:
+    if vp_drafter.config.block_size != drafter.config.block_size:
+        raise ValueError(
+            f"The VP drafter's block_size ({vp_drafter.config.block_size}) differs from the first drafter's "
+            f"({drafter.config.block_size}); D²SD verifies branches of the first drafter's width."
+        )
+    if vp_drafter.config.mask_token_id is None:
+        raise ValueError("The VP drafter has no mask_token_id; set it in its config.")
+
+
+class _TreeDecoder(_Decoder):
+    """The batch-1 D²SD loop; prefill is the block decoder's, with taps for both drafters."""
+
+    def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
+                 num_branches: int = 4, branch_policy: str = "vp"):
+        layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
+        super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids)
+        self.row, self.row_ids = row, [row]
+        self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
+        self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
+        self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
+        self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
+
+    def _candidates(self) -> tuple[TokenTree, list[int]]:
+        """Steps 1-4: the spine, the boundaries and the VP branches, as a token tree."""
+        valid = None if bool(self.valid.all()) else self.valid
+        anchor = self.anchors[:, None]
+        logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
+                                           self.dcache, valid)[0].float()
+        confidences, spine = logits.softmax(-1).max(-1)  # [γ-1]
+        prefixes = top_prefixes(confidences, self.num_branches)
+        gamma = self.drafter.config.block_size
+        rows = spine.new_full((len(prefixes), gamma), self.vp_drafter.config.mask_token_id)
+        rows[:, 0] = self.anchors[0]
+        for j, i in enumerate(prefixes):
+            rows[j, 1 : i + 1] = spine[:i]
+        vp_logits = self.vp_drafter.block_logits(rows, self.anchor_pos, self.taps[:, :, self.vp_tap_index],
+                                                 self.ctx_pos, self.vp_cache, valid).float()  # [K, γ-1, V]
+        spine_list = spine.tolist()
+        candidates = [spine_list]
+        for j, i in enumerate(prefixes):
+            fill = vp_logits[j, i:].argmax(-1)
+            if self.branch_policy == "distinct" and int(fill[0]) == spine_list[i]:
+                second = vp_logits[j, i].topk(2).indices[1]
+                fill = torch.cat((second[None], vp_logits[j, i + 1 :].argmax(-1)))
+            candidates.append(spine_list[:i] + fill.tolist())
+        return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
+
+    def cycle(self) -> None:
+        t0 = time.perf_counter()
+        tree, _ = self._candidates()
+        t1 = time.perf_counter()
+        device, dtype = self.anchors.device, self.target.dtype
+        start = self.valid.shape[1]
+        ids = torch.tensor(tree.tokens, device=device)[None]
+        positions = self.anchor_pos[:, None] + torch.tensor(tree.depths, device=device)
+        allowed = torch.cat((self.valid[0][None].expand(len(tree), -1), tree.ancestor_mask(device)), dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        out = self.target(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=True,
+                          **compat.cache_kwargs(self.target, self.cache))
+        t2 = time.perf_counter()
+
+        logits = out.logits[0].float()  # [N, V]
+        scores = []
+
+        apply = self.rows.processors_for(self.processors, self.row)
+
+        def choose(node: int) -> int:
+            row = logits[node][None]
+            if apply is not None:
+                extra = torch.tensor(tree.path(node), dtype=torch.long, device=device)
+                row = apply(self.rows.sequence(self.row, extra), row)
+            scores.append(row[0])
+            if self.do_sample:
+                return int(torch.multinomial(row[0].softmax(-1), 1))
+            return int(row[0].argmax())
+
+        output, path = walk_tree(tree, choose)
+        committed = _commit(self.rows, self.row, output, torch.stack(scores), self.criteria)
+        self.stats.committed.append(committed)
+        self.stats.tree_nodes.append(len(tree))
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(output[:committed]))
+
+        n = len(path)
+        compat.keep_tree_path(self.cache, start, path)
+        self.valid = torch.cat((self.valid, self.valid.new_ones(1, n)), dim=1)
+        self.taps = self.recorder.taps()[:, path]
+        self.ctx_pos = self.anchor_pos[:, None] + torch.arange(n, device=device)
+        self.anchors = self.anchors.new_tensor([output[-1]])
+        self.anchor_pos = self.anchor_pos + n
+        self.stats.cycles += 1
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.other_s += time.perf_counter() - t2
+
+
+@torch.no_grad()
+def tree_generate(
+    target,
+    drafter,
+    vp_drafter,
+    input_ids: torch.LongTensor,  # [B, P], left-padded
+    attention_mask: torch.LongTensor | None = None,
+    logits_processor=None,
+    stopping_criteria=None,
+    do_sample: bool = False,
+    pad_token_id: int = 0,
+    cache=None,
+    streamer=None,
+    num_branches: int = 4,
+    branch_policy: str = "vp",
+) -> tuple[torch.LongTensor, DecodeStats]:
+    """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
+
+    Rows are decoded one after another (a tree per row per cycle); outputs are laid out as plain
+    `generate()` lays them out (left padding kept, finished rows padded with `pad_token_id`).
+    """
+    if branch_policy not in BRANCH_POLICIES:
+        raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
+    if num_branches < 1:
+        raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
+    attn = compat.attention_implementation(target)
+    if attn.startswith("flash") or attn == "flex_attention":
+        raise ValueError(
+            f"D²SD verifies a token tree with a 4D attention mask, which the target's attn_implementation {attn!r} "
+            "does not take: load the target with attn_implementation='sdpa' (or 'eager')."
+        )
+    _check_pair(drafter, vp_drafter)
+    for model in (drafter, vp_drafter):
+        if model.target is not target:
+            model.bind_target(target)
+    b, p = input_ids.shape
+    valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
+    if b > 1 and streamer is not None:
+        raise ValueError("Streamers support batch size 1 only.")
+    stats = DecodeStats()
+    rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
+    for i in range(b):
+        row_ids = input_ids[i][valid[i]][None]
+        row_cache = cache if (b == 1 and cache is not None) else compat.new_cache(target)
+        decoder = _TreeDecoder(target, drafter, vp_drafter, rows, i, row_cache, logits_processor, stopping_criteria,
+                               do_sample, streamer, num_branches, branch_policy)
+        try:
+            decoder.prefill(row_ids, torch.ones_like(row_ids, dtype=torch.bool))
+            while not rows.finished[i]:
+                decoder.cycle()
+        finally:
+            decoder.recorder.remove()
+        stats.merge(decoder.stats)
+    if streamer is not None:
+        streamer.end()
+    length = max(len(g) for g in rows.generated)
+    out_ids = input_ids.new_full((b, p + length), pad_token_id)
+    out_ids[:, :p] = input_ids
+    for i, g in enumerate(rows.generated):
+        out_ids[i, p : p + len(g)] = input_ids.new_tensor(g)
+    return out_ids, stats

@@ -1,0 +1,259 @@
+"""D²SD: boundary scores, token trees, one-forward tree verification, cache compaction, and the decode
+loop (greedy identity, lossless sampling, the branches actually recovering rejected drafts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from hf_dscale import DScaleDrafter
+from hf_dscale.generation import DecodeStats, custom_generate, d2sd
+from hf_dscale.generation.d2sd import boundary_scores, top_prefixes
+from hf_dscale.generation.tree import TokenTree, walk_tree
+from hf_dscale.models.dscale import compat
+
+from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
+from .test_exactness import _prompt
+from .test_sampling_end_to_end import NEW, TEMPERATURE, setup  # noqa: F401  (module fixture)
+from .test_acceptance import _pvalue
+
+
+# ------------------------------------------------------------------------------------------- selection
+def test_boundary_scores_worked_example():
+    r = boundary_scores(torch.tensor([0.9, 0.5, 0.8]))
+    assert torch.allclose(r, torch.tensor([0.1, 0.45, 0.09]))
+
+
+def test_top_prefixes_are_the_k_largest_ascending():
+    c = torch.tensor([0.99, 0.2, 0.99, 0.99, 0.1, 0.9, 0.5])
+    r = boundary_scores(c)
+    picked = top_prefixes(c, 3)
+    assert picked == sorted(picked) and len(picked) == 3
+    assert set(picked) == set(r.topk(3).indices.tolist())
+    assert top_prefixes(c[:2], 4) == [0, 1]  # never more than γ-1 candidates
+
+
+# ----------------------------------------------------------------------------------------------- trees
+def test_token_tree_shares_prefixes():
+    tree = TokenTree.from_candidates(42, [[5, 7], [5, 9], [6]])
+    assert tree.tokens == [42, 5, 7, 9, 6]
+    assert tree.parents == [-1, 0, 1, 1, 0]
+    assert tree.depths == [0, 1, 2, 2, 1]
+    assert tree.path(3) == [5, 9] and tree.path(0) == []
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.ancestor_mask(), expected)
+
+
+def test_walk_tree_follows_matches_and_stops_at_first_miss():
+    tree = TokenTree.from_candidates(42, [[5, 7, 8], [5, 9], [6]])
+    answers = {0: 5, 1: 9, 4: 3}  # node -> the target's token after it; node 4 is "9" under "5"
+    output, path = walk_tree(tree, lambda node: answers[node])
+    assert output == [5, 9, 3] and path == [0, 1, 4]
+    output, path = walk_tree(tree, lambda node: 2)  # first token already off the tree
+    assert output == [2] and path == [0]
+
+
+def _conditional(vocab: int, prefix: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.softmax(2.0 * torch.randn(vocab, generator=g), -1)
+
+
+def _walk_samples(walk, n: int, vocab: int = 5, seed: int = 0) -> torch.Tensor:
+    """First two tokens from repeated cycles over a fixed tree, under a synthetic target conditional."""
+    torch.manual_seed(seed)
+    tree = TokenTree.from_candidates(0, [[1, 2, 3], [1, 4], [2, 2], [3]])
+    out = torch.empty(n, 2, dtype=torch.long)
+    for s in range(n):
+        def choose(node):
+            return int(torch.multinomial(_conditional(vocab, tuple(tree.path(node))), 1))
+        output, _ = walk(tree, choose)
+        if len(output) == 1:  # the next cycle would sample after the bonus token
+            output.append(int(torch.multinomial(_conditional(vocab, (output[0],)), 1)))
+        out[s] = torch.tensor(output[:2])
+    return out
+
+
+def _pair_pvalue(samples: torch.Tensor, vocab: int = 5) -> float:
+    exact = torch.stack([_conditional(vocab, ())[a] * _conditional(vocab, (a,)) for a in range(vocab)]).reshape(-1)
+    exact = exact.double() / exact.double().sum()
+    counts = torch.bincount(samples[:, 0] * vocab + samples[:, 1], minlength=vocab * vocab).double()
+    return float(chisquare(counts, exact * counts.sum()).pvalue)
+
+
+def _lenient_walk(tree, choose):
+    """A wrong rule: when the target's sample misses, take a drafted child anyway half the time."""
+    node, output, path = 0, [], [0]
+    while True:
+        token = choose(node)
+        if token not in tree.children[node] and tree.children[node] and torch.rand(()) < 0.5:
+            token = next(iter(tree.children[node]))
+        output.append(token)
+        child = tree.children[node].get(token)
+        if child is None:
+            return output, path
+        node = child
+        path.append(child)
+
+
+def test_tree_walk_sampling_is_lossless_and_the_check_has_power():
+    assert _pair_pvalue(_walk_samples(walk_tree, 20000)) > 1e-4
+    assert _pair_pvalue(_walk_samples(_lenient_walk, 20000)) < 1e-6
+
+
+# -------------------------------------------------------------------------------- target verification
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tree_forward_and_kept_path_match_plain_forwards(kind):
+    target = tiny_target(kind)
+    prompt = torch.randint(3, MASK_ID, (1, 11), generator=torch.Generator().manual_seed(4))
+    tree = TokenTree.from_candidates(7, [[5, 9, 11], [5, 12], [13, 14]])
+    with torch.no_grad():
+        cache = compat.new_cache(target)
+        target(input_ids=prompt, use_cache=True, **compat.cache_kwargs(target, cache))
+        c = prompt.shape[1]
+        allowed = torch.cat((torch.ones(len(tree), c, dtype=torch.bool), tree.ancestor_mask()), dim=1)
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        positions = torch.tensor([tree.depths]) + c
+        out = target(input_ids=torch.tensor([tree.tokens]), attention_mask=mask[None, None], position_ids=positions,
+                     use_cache=True, **compat.cache_kwargs(target, cache)).logits[0]
+        for leaf in (3, 4, 6):  # every root-to-leaf path, fed alone
+            nodes = [leaf]
+            while tree.parents[nodes[-1]] >= 0:
+                nodes.append(tree.parents[nodes[-1]])
+            nodes = nodes[::-1]
+            alone = target(torch.cat((prompt, torch.tensor([[tree.tokens[n] for n in nodes]])), dim=1)).logits[0, c:]
+            assert torch.allclose(out[nodes], alone, atol=1e-5)
+        # keep the path anchor -> 5 -> 12 and continue: same as feeding it after the prompt
+        compat.keep_tree_path(cache, c, [0, 1, 4])
+        assert cache.get_seq_length() == c + 3
+        nxt = target(input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[c + 3]]), use_cache=True,
+                     **compat.cache_kwargs(target, cache)).logits[0, -1]
+        full = target(torch.cat((prompt, torch.tensor([[7, 5, 12, 3]])), dim=1)).logits[0, -1]
+        assert torch.allclose(nxt, full, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- decode loop
+class _ConfidentOracle(OracleDrafter):
+    """An oracle first drafter whose wrong tokens come with low confidence (as a calibrated drafter's)."""
+
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
+        real = DScaleDrafter.draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache,
+                                          context_valid)  # the real forward keeps the caches honest
+        logits = torch.zeros_like(real)
+        seq = self.oracle[0]
+        for k in range(real.shape[1]):
+            pos = int(anchor_positions[0]) + 1 + k
+            right = seq[pos] if pos < len(seq) else 0
+            if torch.rand(()) < self.error_rate:
+                logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 1.0  # wrong and unsure
+            else:
+                logits[0, k, right] += 30.0
+        return logits
+
+
+class _OracleVP(OracleDrafter):
+    """An oracle variable-prefix drafter: fills every row's masked positions with the reference."""
+
+    def block_logits(self, block_ids, anchor_positions, taps, context_position_ids, cache, context_valid=None):
+        real = super().block_logits(block_ids, anchor_positions, taps, context_position_ids, cache, context_valid)
+        logits = torch.zeros_like(real)
+        seq = self.oracle[0]
+        for r in range(real.shape[0]):
+            for k in range(real.shape[1]):
+                pos = int(anchor_positions[0]) + 1 + k
+                token = seq[pos] if pos < len(seq) else 0
+                if torch.rand(()) < self.error_rate:
+                    token = int(torch.randint(0, real.shape[-1], ()))
+                logits[r, k, token] += 30.0
+        return logits
+
+
+def _pair(target, reference, error_rate=0.3, vp_error_rate=0.0, block_size=8):
+    first = tiny_drafter(target, cls=_ConfidentOracle, block_size=block_size)
+    vp = tiny_drafter(target, cls=_OracleVP, block_size=block_size, seed=5)
+    first.oracle = vp.oracle = oracle_from(reference)
+    first.error_rate, vp.error_rate = error_rate, vp_error_rate
+    return first, vp
+
+
+def test_greedy_identity_random_drafters(target):
+    drafter, vp = tiny_drafter(target), tiny_drafter(target, seed=7)
+    for seed, (length, new) in enumerate([(5, 17), (12, 40)]):
+        ids, _ = _prompt(1, length, seed)
+        plain = target.generate(ids, max_new_tokens=new, do_sample=False)
+        spec = target.generate(ids, max_new_tokens=new, do_sample=False, custom_generate=custom_generate,
+                               drafter=drafter, vp_drafter=vp)
+        assert torch.equal(plain, spec)
+
+
+@pytest.mark.parametrize("policy", ["vp", "distinct"])
+def test_branches_recover_rejected_drafts(target, policy):
+    """With errors only in the first draft, at low confidence, the branches at those boundaries carry
+    the right continuation: D²SD commits far more per forward than the first drafter alone."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+    torch.manual_seed(0)
+    first, vp = _pair(target, plain)
+    block_stats, tree_stats = DecodeStats(), DecodeStats()
+    block = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate,
+                            drafter=first, dscale_stats=block_stats)
+    tree = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate,
+                           drafter=first, vp_drafter=vp, branch_policy=policy, dscale_stats=tree_stats)
+    assert torch.equal(plain, block) and torch.equal(plain, tree)
+    assert tree_stats.tau > 1.5 * block_stats.tau
+    assert max(tree_stats.tree_nodes) <= 8 + 4 * 6  # spine + K branches, shared prefixes stored once
+
+
+@pytest.mark.parametrize("vp_error_rate", [0.0, 0.3])
+def test_greedy_identity_batched_with_processors_and_eos(vp_error_rate):
+    target = tiny_target("llama", eos=5)
+    ids, mask = _prompt(3, 9, seed=2)
+    kw = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    drafter = tiny_drafter(target, cls=OracleDrafter)
+    vp = tiny_drafter(target, cls=OracleDrafter, seed=2)
+    for model in (drafter, vp):
+        model.oracle, model.error_rate = oracle_from(plain, mask), vp_error_rate
+    spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate,
+                           drafter=drafter, vp_drafter=vp)
+    assert torch.equal(plain, spec)
+
+
+def test_rejects_mismatched_block_sizes_and_flash_attention(target):
+    drafter, vp = tiny_drafter(target, block_size=8), tiny_drafter(target, block_size=4)
+    ids, _ = _prompt(1, 6, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter, vp_drafter=vp)
+    with pytest.raises(ValueError, match="branch_policy"):
+        target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter,
+                        vp_drafter=tiny_drafter(target), branch_policy="best")
+
+
+def _tree_samples(target, drafter, vp, prompt, rows=1500, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt] * rows)
+    out = target.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=None,
+                          custom_generate=custom_generate, drafter=drafter, vp_drafter=vp)
+    return out[:, len(prompt):]
+
+
+def test_sampling_through_generate_matches_target(setup):  # noqa: F811
+    target, drafter, prompt, exact = setup
+    vp = tiny_drafter(target, block_size=4, seed=9)
+    samples = _tree_samples(target, drafter, vp, prompt)
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
+def test_sampling_check_through_generate_catches_broken_rule(setup, monkeypatch):  # noqa: F811
+    target, drafter, prompt, exact = setup
+    vp = tiny_drafter(target, block_size=4, seed=9)
+    monkeypatch.setattr(d2sd, "walk_tree", _lenient_walk)
+    samples = _tree_samples(target, drafter, vp, prompt)
+    assert min(_pvalue(samples[:, j], exact[j]) for j in range(NEW)) < 1e-6
