@@ -44,6 +44,8 @@ class BenchResult:
                 "other": round(1000 * self.stats.other_s / cycles, 3),
             },
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            **({"tree_tokens": round(sum(self.stats.tree_nodes) / len(self.stats.tree_nodes), 2)}
+               if self.stats.tree_nodes else {}),
         }
 
 
@@ -65,18 +67,29 @@ def bench_speculative(
     max_new_tokens: int = 256,
     method: str = "dscale",
     on_prompt: Callable[[int], None] | None = None,
+    vp_drafter=None,
+    **method_kwargs,
 ) -> BenchResult:
-    """Plain greedy `generate()` and the speculative method on the same prompts, alternating per prompt."""
+    """Plain greedy `generate()` and the speculative method on the same prompts, alternating per prompt.
+
+    method "dscale" decodes with `drafter` alone; "d2sd" adds `vp_drafter` (extra keyword arguments such
+    as `num_branches` go to `custom_generate`).
+    """
+    if (method == "d2sd") != (vp_drafter is not None):
+        raise ValueError("method 'd2sd' needs a VP drafter (--vp-drafter) and 'dscale' takes none.")
     result = BenchResult(method=method)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    spec_kw = dict(custom_generate=custom_generate, drafter=drafter, **method_kwargs)
+    if vp_drafter is not None:
+        spec_kw["vp_drafter"] = vp_drafter
     warm = prompts[0][1]
     target.generate(warm, max_new_tokens=4, do_sample=False)
-    target.generate(warm, max_new_tokens=4, do_sample=False, custom_generate=custom_generate, drafter=drafter)
+    target.generate(warm, max_new_tokens=4, do_sample=False, **spec_kw)
     for i, (name, ids) in enumerate(prompts):
         plain, t_plain = _timed(lambda: target.generate(ids, **kw))
         stats = DecodeStats()
         spec, t_spec = _timed(
-            lambda: target.generate(ids, **kw, custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+            lambda: target.generate(ids, **kw, **spec_kw, dscale_stats=stats)
         )
         result.n_prompts += 1
         result.new_tokens += plain.shape[1] - ids.shape[1]

@@ -11,6 +11,9 @@ import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on the CPU (set before they are defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_dscale import DScaleConfig, DScaleDrafter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .common import add_model_args, load_models
+from .common import add_model_args, load_drafter, load_models
 
 
 def add_parser(sub) -> None:
@@ -12,6 +12,9 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
     p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
+    p.add_argument("--num-branches", type=int, default=4, help="d2sd: VP branches per cycle (K)")
+    p.add_argument("--branch-policy", choices=["vp", "distinct"], default="vp",
+                   help="d2sd: vp = the VP drafter's argmax (paper); distinct = its best token unlike the first draft's")
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -45,19 +48,24 @@ def main(args) -> int:
     from ..evaluation import bench_speculative
     from ..training.data import read_prompts, render_prompt
 
-    if args.method == "d2sd":
-        raise NotImplementedError("--method d2sd needs the variable-prefix drafter, which is not implemented yet.")
+    if (args.method == "d2sd") != (args.vp_drafter is not None):
+        raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); --method dscale takes none.")
     target, tokenizer, drafter = load_models(args)
+    extra = {}
+    if args.method == "d2sd":
+        extra = dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
+                     branch_policy=args.branch_policy)
     rows = read_prompts(args.prompts, args.limit)
     prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
                for row in rows]
     bar = tqdm(total=len(prompts), desc=f"bench {args.method}", unit="prompt")
     result = bench_speculative(target, drafter, prompts, args.max_new_tokens, args.method,
-                               on_prompt=lambda i: bar.update(1))
+                               on_prompt=lambda i: bar.update(1), **extra)
     bar.close()
     report = result.to_json()
-    report.update(command=args.command_line, target=args.target, drafter=args.drafter, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  device=str(target.device), dtype=str(target.dtype))
+    report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=str(target.device),
+                  dtype=str(target.dtype))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -32,15 +32,20 @@ def add_model_args(p, drafter_default=None) -> None:
 
 
 def load_models(args):
-    from ..models import DScaleDrafter
     from ..models.targets import load_target
 
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype, device=device)
-    drafter_path = os.path.abspath(args.drafter)
-    if not os.path.isfile(os.path.join(drafter_path, "config.json")):
-        raise FileNotFoundError(f"No drafter at {drafter_path} (a folder with config.json and model.safetensors).")
-    drafter = DScaleDrafter.from_pretrained(drafter_path, dtype=dtype).to(device).eval()
-    drafter.bind_target(target)
-    return target, tokenizer, drafter
+    return target, tokenizer, load_drafter(args.drafter, target)
+
+
+def load_drafter(path: str, target):
+    """A drafter folder, in the target's dtype and device, bound to the target (clear errors on mismatch)."""
+    from ..models import DScaleDrafter
+
+    path = os.path.abspath(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"No drafter at {path} (a folder with config.json and model.safetensors).")
+    drafter = DScaleDrafter.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+    return drafter.bind_target(target)

@@ -2,7 +2,8 @@
 
 from .acceptance import greedy_accept, speculative_accept
 from .custom_generate import generate as custom_generate
+from .d2sd import tree_generate
 from .decode import speculative_generate
 from .types import DecodeStats
 
-__all__ = ["DecodeStats", "custom_generate", "greedy_accept", "speculative_accept", "speculative_generate"]
+__all__ = ["DecodeStats", "custom_generate", "greedy_accept", "speculative_accept", "speculative_generate", "tree_generate"]

@@ -35,6 +35,7 @@ def generate(
     vp_drafter=None,
     num_branches: int = 4,
     branch_policy: str = "vp",
+    tree_kernel: bool | None = None,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -73,7 +74,7 @@ def generate(
     if vp_drafter is not None:
         vp_drafter = _load_drafter(vp_drafter, model)
         sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
-                                         branch_policy=branch_policy, **common)
+                                         branch_policy=branch_policy, tree_kernel=tree_kernel, **common)
     else:
         sequences, stats = speculative_generate(model, drafter, input_ids, **common)
     if dscale_stats is not None:

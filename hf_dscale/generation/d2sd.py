@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from ..kernels.hf_attention import register as register_tree_attention
+from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
 from .decode import _commit, _Decoder, _Rows
@@ -159,11 +161,14 @@ def tree_generate(
     streamer=None,
     num_branches: int = 4,
     branch_policy: str = "vp",
+    tree_kernel: bool | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
     Rows are decoded one after another (a tree per row per cycle); outputs are laid out as plain
     `generate()` lays them out (left padding kept, finished rows padded with `pad_token_id`).
+    `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
+    on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -183,15 +188,29 @@ def tree_generate(
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     if b > 1 and streamer is not None:
         raise ValueError("Streamers support batch size 1 only.")
+    if tree_kernel is None:
+        tree_kernel = input_ids.device.type == "cuda" and triton_usable(input_ids.device) and attn in ("sdpa", "eager")
+    if tree_kernel:
+        target.set_attn_implementation(register_tree_attention())
+    try:
+        return _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria,
+                            do_sample, pad_token_id, cache, streamer, num_branches, branch_policy)
+    finally:
+        if tree_kernel:
+            target.set_attn_implementation(attn)
+
+
+def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria, do_sample,
+                 pad_token_id, cache, streamer, num_branches, branch_policy):
+    b, p = input_ids.shape
     stats = DecodeStats()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
     for i in range(b):
-        row_ids = input_ids[i][valid[i]][None]
         row_cache = cache if (b == 1 and cache is not None) else compat.new_cache(target)
         decoder = _TreeDecoder(target, drafter, vp_drafter, rows, i, row_cache, logits_processor, stopping_criteria,
                                do_sample, streamer, num_branches, branch_policy)
         try:
-            decoder.prefill(row_ids, torch.ones_like(row_ids, dtype=torch.bool))
+            decoder.prefill(input_ids[i : i + 1], valid[i : i + 1])  # left padding stays masked, as in generate()
             while not rows.finished[i]:
                 decoder.cycle()
         finally:

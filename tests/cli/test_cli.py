@@ -40,6 +40,26 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert report["command"].startswith("hf-dscale bench")
 
 
+def test_bench_d2sd(folders, tmp_path):
+    target = tiny_target("qwen3")
+    tiny_drafter(target, seed=6).save_pretrained(tmp_path / "vp")
+    out = tmp_path / "d2sd.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--vp-drafter", str(tmp_path / "vp"), "--method", "d2sd", "--prompts", PROMPTS, "--limit", "2",
+                 "--max-new-tokens", "12", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["method"] == "d2sd" and report["identical"] is True and report["tree_tokens"] > 1
+    assert set(report["stage_ms"]) == {"draft", "verify", "other"}
+
+
+def test_d2sd_without_vp_drafter_is_a_clear_error(folders, capsys):
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--method", "d2sd", "--prompts", PROMPTS])
+    assert code == 2
+    assert "--vp-drafter" in capsys.readouterr().err
+
+
 def test_train_then_card(folders, tmp_path):
     data, out = tmp_path / "data", tmp_path / "drafter"
     code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),

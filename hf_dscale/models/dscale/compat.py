@@ -75,6 +75,20 @@ def attention_implementation(model) -> str:
     return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
+def sdpa_attention():
+    """transformers' SDPA attention function (the fallback of hf_dscale's tree attention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def sdpa_mask():
+    """transformers' SDPA mask builder, registered for hf_dscale's tree attention."""
+    from transformers.masking_utils import sdpa_mask as builder
+
+    return builder
+
+
 @lru_cache(maxsize=None)
 def native_dflash_reads_layer_outputs() -> bool:
     """Whether transformers' `DFlashTokenCandidateGenerator` hands the drafter `hidden_states[i + 1]`
