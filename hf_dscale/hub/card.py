@@ -18,6 +18,51 @@ def _bench_table(benches: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _intro(config, target_name: str) -> str:
+    borrowed = (f"It has no embedding or LM head of its own: it borrows the target's, so it only works with "
+                f"`{target_name}`.")
+    if getattr(config, "prefix_prior", None) is not None:
+        return (
+            f"A **variable-prefix drafter** for `{target_name}` (D²SD's second drafter): given the anchor and the first "
+            f"i tokens of a block, it fills the other {config.block_size - 1} - i in one forward pass, conditioned on "
+            "the target's hidden states. D²SD asks it to re-draft from the first drafter's most likely rejection "
+            "points and the target verifies every candidate in one pass, as a token tree. Output is exactly the "
+            f"target's (greedy) or has the target's distribution (sampling). {borrowed}"
+        )
+    return (
+        f"A block-diffusion **drafter** for `{target_name}`: it proposes {config.block_size - 1} tokens in one forward "
+        "pass, conditioned on the target's hidden states, and the target verifies them in one pass. Output is exactly "
+        f"the target's (greedy) or has the target's distribution (sampling). {borrowed}"
+    )
+
+
+def _usage(config, name: str, target_name: str) -> str:
+    if getattr(config, "prefix_prior", None) is not None:
+        return f"""```python
+from transformers import AutoModel, AutoModelForCausalLM
+from hf_dscale.generation import custom_generate
+target = AutoModelForCausalLM.from_pretrained(TARGET)  # {target_name}
+drafter = AutoModel.from_pretrained(FIRST_DRAFTER, trust_remote_code=True)  # a block drafter for the same target
+vp_drafter = AutoModel.from_pretrained("{name}", trust_remote_code=True)
+out = target.generate(**inputs, custom_generate=custom_generate, drafter=drafter, vp_drafter=vp_drafter,
+                      max_new_tokens=256, do_sample=False)
+```"""
+    return f"""```python
+from transformers import AutoModel, AutoModelForCausalLM
+target = AutoModelForCausalLM.from_pretrained(TARGET)  # {target_name}
+drafter = AutoModel.from_pretrained("{name}", trust_remote_code=True)
+out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
+```
+
+With `hf_dscale` installed, batches run through `custom_generate` (also as this repo's
+`custom_generate/generate.py`):
+
+```python
+from hf_dscale.generation import custom_generate
+out = target.generate(**batch, custom_generate=custom_generate, drafter=drafter, max_new_tokens=256)
+```"""
+
+
 def render_card(
     name: str,
     config,
@@ -35,6 +80,9 @@ def render_card(
         benches: dicts with `label`, `command` and `report` (the JSON written by `hf-dscale bench`).
     """
     method = "DScale (layer-wise fusion)" if config.fusion == "layerwise" else "DFlash (shared fusion)"
+    prior = getattr(config, "prefix_prior", None)
+    if prior is not None:
+        method += f", variable-prefix training (prefix prior β = {prior}): the second drafter of D²SD"
     commands = "\n".join(f"# {b['label']}\n{b['command']}" for b in benches)
     training_lines = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
     return f"""---
@@ -52,10 +100,7 @@ tags:
 
 # {name}
 
-A block-diffusion **drafter** for `{target_name}`: it proposes {config.block_size - 1} tokens in one forward pass,
-conditioned on the target's hidden states, and the target verifies them in one pass. Output is exactly the
-target's (greedy) or has the target's distribution (sampling). It has no embedding or LM head of its own: it
-borrows the target's, so it only works with `{target_name}`.
+{_intro(config, target_name)}
 
 | | |
 |---|---|
@@ -67,20 +112,7 @@ borrows the target's, so it only works with `{target_name}`.
 
 ## Usage
 
-```python
-from transformers import AutoModel, AutoModelForCausalLM
-target = AutoModelForCausalLM.from_pretrained(TARGET)  # {target_name}
-drafter = AutoModel.from_pretrained("{name}", trust_remote_code=True)
-out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
-```
-
-With `hf_dscale` installed, batches run through `custom_generate` (also as this repo's
-`custom_generate/generate.py`):
-
-```python
-from hf_dscale.generation import custom_generate
-out = target.generate(**batch, custom_generate=custom_generate, drafter=drafter, max_new_tokens=256)
-```
+{_usage(config, name, target_name)}
 
 ## Training
 

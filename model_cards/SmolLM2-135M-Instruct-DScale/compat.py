@@ -5,6 +5,8 @@
   `crop(-n)` (drop the last n) works everywhere.
 * The built-in DFlash candidate generator (5.16+) passes the drafter `hidden_states[i + 1]` for
   target layer i in some releases and `hidden_states[i]` (one layer early) in others.
+* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); D²SD keeps only the
+  accepted path of a verified token tree by rewriting them in place (`keep_tree_path`).
 * `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
   `cache` since (see `DraftGenerateOutput` in assistant.py, which answers to both).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import inspect
 from functools import lru_cache
 
+import torch
 from transformers import DynamicCache
 
 
@@ -51,6 +54,39 @@ def crop_to(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def keep_tree_path(cache, start: int, path: list[int]) -> None:
+    """After a tree forward appended N nodes at `start`, keep [0, start) plus the K/V of the nodes in
+    `path` (increasing node indices), packed at start, start + 1, ...; drop the rest."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") for layer in layers):
+        raise TypeError(f"{type(cache).__name__} does not expose per-layer keys/values; D²SD needs a DynamicCache.")
+    index = None
+    for layer in layers:
+        if index is None:
+            index = torch.tensor(path, device=layer.keys.device) + start
+        for tensor in (layer.keys, layer.values):
+            tensor[..., start : start + len(path), :] = tensor[..., index, :]
+    crop_to(cache, start + len(path))
+
+
+def attention_implementation(model) -> str:
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def sdpa_attention():
+    """transformers' SDPA attention function (the fallback of hf_dscale's tree attention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def sdpa_mask():
+    """transformers' SDPA mask builder, registered for hf_dscale's tree attention."""
+    from transformers.masking_utils import sdpa_mask as builder
+
+    return builder
 
 
 @lru_cache(maxsize=None)

@@ -36,6 +36,8 @@ class DScaleConfig(PretrainedConfig):
         block_size: tokens per draft block, anchor included (γ).
         mask_token_id: id of the token that fills the masked block positions.
         vocab_size: the target's vocabulary size (the drafter borrows its LM head).
+        prefix_prior: β of the truncated geometric prior over prefix lengths that a variable-prefix
+            drafter (D²SD's second drafter) was trained with; None for a plain block drafter.
     """
 
     model_type = "dscale"
@@ -61,6 +63,7 @@ class DScaleConfig(PretrainedConfig):
         mask_token_id: int | None = None,
         loss_decay_gamma: float = 7.0,
         target_model_type: str | None = None,
+        prefix_prior: float | None = None,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -82,6 +85,7 @@ class DScaleConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id
         self.loss_decay_gamma = loss_decay_gamma
         self.target_model_type = target_model_type
+        self.prefix_prior = prefix_prior
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -66,6 +66,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _join(context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """[context | block] along the sequence; a batch-1 context is shared by every block row (D²SD)."""
+    if context.shape[0] != block.shape[0]:
+        context = context.expand(block.shape[0], -1, -1, -1)
+    return torch.cat((context, block), dim=-2)
+
+
 class DraftContextCache:
     """Per-layer K/V of the context tokens only (block K/V are recomputed every call).
 
@@ -85,7 +92,7 @@ class DraftContextCache:
             kc = torch.cat((self.keys[layer], kc), dim=-2)
             vc = torch.cat((self.values[layer], vc), dim=-2)
         self.keys[layer], self.values[layer] = kc, vc
-        return torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2)
+        return _join(kc, kb), _join(vc, vb)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.keys = [None if k is None else k[rows] for k in self.keys]
@@ -145,7 +152,7 @@ class DScaleAttention(nn.Module):
         if cache is not None:
             k, v = cache.extend(self.layer_idx, kc, vc, kb, vb)
         else:
-            k, v = torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2)
+            k, v = _join(kc, kb), _join(vc, vb)
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
@@ -354,17 +361,34 @@ class DScaleDrafter(DScalePreTrainedModel):
         context_valid: torch.Tensor | None = None,  # [B, C] bool over all cached context columns
     ) -> torch.Tensor:
         """Propose one block: logits [B, γ-1, V] for the γ-1 tokens after each anchor."""
-        handle = self._require_target()
-        gamma = self.config.block_size
-        b = anchor_ids.shape[0]
+        b, gamma = anchor_ids.shape[0], self.config.block_size
         block = anchor_ids.new_full((b, gamma), self.config.mask_token_id)
         block[:, :1] = anchor_ids
-        positions = anchor_positions[:, None] + torch.arange(gamma, device=anchor_ids.device)
+        return self.block_logits(block, anchor_positions, taps, context_position_ids, cache, context_valid)
+
+    def block_logits(
+        self,
+        block_ids: torch.Tensor,  # [R, γ]: anchor, then known tokens or mask_token_id
+        anchor_positions: torch.Tensor,  # [R] (or [1], shared)
+        taps: torch.Tensor,  # [B, S, T, H] with B = R, or B = 1 for a context shared by all rows
+        context_position_ids: torch.Tensor,  # [B, S]
+        cache: DraftContextCache | None,
+        context_valid: torch.Tensor | None = None,  # [B, C] bool over all cached context columns
+    ) -> torch.Tensor:
+        """Logits [R, γ-1, V] at block positions 1..γ-1.
+
+        A variable-prefix drafter reads rows like `[anchor, t_1..t_i, mask, ...]` and fills the rest;
+        with a batch-1 context every row shares its K/V, computed once.
+        """
+        handle = self._require_target()
+        r, gamma = block_ids.shape
+        positions = anchor_positions.reshape(-1, 1) + torch.arange(gamma, device=block_ids.device)
+        positions = positions.expand(r, gamma)
         mask = None
         if context_valid is not None:
-            ones = context_valid.new_ones(b, gamma)
-            mask = torch.cat((context_valid, ones), dim=1)[:, None, None, :].expand(b, 1, gamma, -1)
-        hidden = self(handle.embed(block), taps, positions, context_position_ids, cache, mask)
+            ones = context_valid.new_ones(context_valid.shape[0], gamma)
+            mask = torch.cat((context_valid, ones), dim=1)[:, None, None, :].expand(r, 1, gamma, -1)
+        hidden = self(handle.embed(block_ids), taps, positions, context_position_ids, cache, mask)
         return handle.lm_head(hidden[:, 1:].to(handle.lm_head.weight.dtype))
 
     # ------------------------------------------------------------------ plain `assistant_model=` path

@@ -77,6 +77,25 @@ def test_train_then_card(folders, tmp_path):
     assert card.startswith("---\n") and "DFlash (shared fusion)" in card and "hf-dscale bench" in card
 
 
+def test_train_vp_drafter_from_a_drafter_then_card(folders, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "vp"
+    code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),
+                 "--out", str(out), "--init-from", str(folders / "drafter"), "--vp-beta", "0.9",
+                 "--max-new-tokens", "8", "--steps", "2", "--num-anchors", "4", "--grad-accum", "1"])
+    assert code == 0
+    from hf_dscale import DScaleConfig, DScaleDrafter
+
+    config = DScaleConfig.from_pretrained(out)
+    first = DScaleConfig.from_pretrained(folders / "drafter")
+    assert config.prefix_prior == 0.9 and config.target_layer_ids == first.target_layer_ids
+    start = DScaleDrafter.from_pretrained(folders / "drafter").state_dict()
+    trained = DScaleDrafter.from_pretrained(out).state_dict()
+    assert any(not (start[k] == trained[k]).all() for k in start)  # it trained from those weights
+    assert main(["card", "--drafter", str(out), "--training", "data=tiny"]) == 0
+    card = (out / "README.md").read_text()
+    assert "variable-prefix" in card and "vp_drafter=vp_drafter" in card
+
+
 def test_bad_input_gives_a_clear_error(folders, tmp_path, capsys):
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(tmp_path / "missing"),
                  "--prompts", PROMPTS])

@@ -257,3 +257,18 @@ def test_sampling_check_through_generate_catches_broken_rule(setup, monkeypatch)
     monkeypatch.setattr(d2sd, "walk_tree", _lenient_walk)
     samples = _tree_samples(target, drafter, vp, prompt)
     assert min(_pvalue(samples[:, j], exact[j]) for j in range(NEW)) < 1e-6
+
+
+def test_hub_style_custom_generate_folder_takes_the_vp_drafter():
+    import os
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "SmolLM2-135M-Instruct-DScale")
+    target = tiny_target("qwen3")
+    ids, mask = _prompt(2, 7, seed=21)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
+    stats = DecodeStats()
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False,
+                           custom_generate=os.path.abspath(folder), trust_remote_code=True,
+                           drafter=tiny_drafter(target), vp_drafter=tiny_drafter(target, seed=8), dscale_stats=stats)
+    assert torch.equal(plain, spec)
+    assert stats.tree_nodes  # the tree path ran
