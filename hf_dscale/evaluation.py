@@ -103,3 +103,49 @@ def bench_speculative(
         if on_prompt is not None:
             on_prompt(i)
     return result
+
+
+@torch.no_grad()
+def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
+               block_sizes=(4, 8, 16, 32), threshold: float = 0.9,
+               on_problem: Callable[[int], None] | None = None) -> dict:
+    """Decode each problem with Fast-dLLM or BlockBatch; NFE, accuracy (final number) and speed."""
+    from .generation.dllm import blockbatch_generate, fast_dllm_generate
+    from .training.dllm_tasks import final_answer
+    from .training.dllm_trainer import encode
+
+    device = next(model.model.parameters()).device
+    nfe, correct, tokens, seconds, queries = [], 0, 0, 0.0, 0
+    full = block = 0
+    for i, problem in enumerate(problems):
+        prompt, _ = encode(tokenizer, [problem], gen_length, with_answers=False)
+        prompt = prompt.to(device)
+        if method == "fast-dllm":
+            run = lambda: fast_dllm_generate(model, prompt, gen_length, block_size, threshold)  # noqa: E731
+        elif method == "blockbatch":
+            run = lambda: blockbatch_generate(model, prompt, gen_length, block_sizes, threshold)  # noqa: E731
+        else:
+            raise ValueError(f"method must be fast-dllm or blockbatch, got {method!r}.")
+        result, wall = _timed(run)
+        answer = result.sequence[prompt.shape[1] :]
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        correct += int(final_answer(text) == problem.answer)
+        nfe.append(result.nfe)
+        full, block = full + result.nfe_full, block + result.nfe_block
+        tokens += answer.numel()
+        seconds += wall
+        if on_problem is not None:
+            on_problem(i)
+    n = max(1, len(problems))
+    return {
+        "method": method,
+        "n_prompts": len(problems),
+        "nfe": round(sum(nfe) / n, 3),
+        "nfe_full": round(full / n, 3),
+        "nfe_block": round(block / n, 3),
+        "accuracy": round(correct / n, 4),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 3),
+        "seconds_per_answer": round(seconds / n, 4),
+        "ms_per_nfe": round(1000 * seconds / max(1, sum(nfe)), 3),
+        "answer_tokens": round(tokens / n, 2),
+    }

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, card, kernels, run, train
+from . import bench, card, dllm, kernels, run, train
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-dscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, bench, train, card, kernels):
+    for module in (run, bench, train, card, kernels, dllm):
         module.add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)

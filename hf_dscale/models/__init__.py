@@ -12,3 +12,10 @@ DScaleConfig.register_for_auto_class()
 DScaleDrafter.register_for_auto_class("AutoModel")
 
 __all__ = ["DScaleConfig", "DScaleDrafter", "build_target_layer_ids"]
+
+from .dllm import DiffusionLM, DiffusionLMConfig  # noqa: E402
+
+AutoConfig.register(DiffusionLMConfig.model_type, DiffusionLMConfig, exist_ok=True)
+AutoModel.register(DiffusionLMConfig, DiffusionLM, exist_ok=True)
+
+__all__ += ["DiffusionLM", "DiffusionLMConfig"]

@@ -113,3 +113,18 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
+
+
+def test_train_dllm_then_bench_both_methods(tmp_path):
+    out = tmp_path / "dlm"
+    assert main(["train-dllm", "--out", str(out), "--steps", "3", "--save-every", "2", "--batch-size", "4",
+                 "--hidden-size", "32", "--layers", "1", "--heads", "2", "--gen-length", "96"]) == 0
+    assert (out / "checkpoint-2" / "trainer_state.pt").exists() and (out / "tokenizer.json").exists()
+    for method in ("fast-dllm", "blockbatch"):
+        report_path = tmp_path / f"{method}.json"
+        assert main(["bench-dllm", "--model", str(out), "--method", method, "--seed", "5", "--limit", "2",
+                     "--json", str(report_path)]) == 0
+        report = json.loads(report_path.read_text())
+        for key in ("method", "n_prompts", "nfe", "accuracy", "tokens_per_s"):
+            assert key in report
+        assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1

@@ -1,0 +1,47 @@
+"""`model.generate(..., custom_generate=dllm_generate, dllm_method="fast-dllm" | "blockbatch")` for dLLMs.
+
+transformers prepares its usual arguments and hands them here; rows are decoded one by one (left
+padding removed) and laid out as `generate()` does: prompt, answer, then `pad_token_id`.
+`max_new_tokens` is the generation length G (a multiple of every block size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.dllm import DiffusionModel
+from .dllm import blockbatch_generate, fast_dllm_generate
+
+METHODS = ("fast-dllm", "blockbatch")
+
+
+def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
+             mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
+             block_sizes=(4, 8, 16, 32), threshold: float = 0.9, **model_kwargs):
+    """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch); threshold; dllm_stats: a list
+    that receives one `DLLMResult` per row (NFE counts)."""
+    if dllm_method not in METHODS:
+        raise ValueError(f"dllm_method must be one of {METHODS}, got {dllm_method!r}.")
+    if generation_config is not None and generation_config.do_sample:
+        raise ValueError("Fast-dLLM and BlockBatch decode greedily here: pass do_sample=False.")
+    dlm = DiffusionModel(model, mask_token_id=mask_token_id)
+    gen_length = (generation_config.max_new_tokens if generation_config is not None else None) or 256
+    mask = model_kwargs.get("attention_mask")
+    valid = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    answers = []
+    for b in range(input_ids.shape[0]):
+        prompt = input_ids[b][valid[b]][None]
+        if dllm_method == "fast-dllm":
+            result = fast_dllm_generate(dlm, prompt, gen_length, block_size, threshold)
+        else:
+            result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold)
+        answers.append(result.sequence[prompt.shape[1] :])
+        if dllm_stats is not None:
+            dllm_stats.append(result)
+    pad = generation_config.pad_token_id if generation_config is not None else None
+    pad = pad if pad is not None else dlm.eos_token_id if dlm.eos_token_id is not None else 0
+    out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + max(a.numel() for a in answers)), pad)
+    out[:, : input_ids.shape[1]] = input_ids
+    for b, a in enumerate(answers):
+        out[b, input_ids.shape[1] : input_ids.shape[1] + a.numel()] = a
+    return out

@@ -1,0 +1,198 @@
+"""Diffusion-LM decoding: the threshold rule, NFE accounting, the dual cache, BlockBatch's merge / sync /
+refresh on hand-made branch states, and batched branches equal to each branch run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dscale.generation import blockbatch_generate, dllm_generate, fast_dllm_generate
+from hf_dscale.generation.dllm import _Branches, answer_end, merge, sync, threshold_commit
+from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig, DiffusionModel
+
+from ..conftest import tiny_target
+
+VOCAB, MASK, EOS = 40, 1, 2
+
+
+def tiny_dlm(shift: int = 0, layers: int = 2, seed: int = 0) -> DiffusionLM:
+    torch.manual_seed(seed)
+    config = DiffusionLMConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, mask_token_id=MASK, eos_token_id=EOS, logits_shift=shift)
+    return DiffusionLM(config).eval()
+
+
+def _logits_for(confidences, tokens, vocab=VOCAB):
+    """Logits whose softmax has max probability `confidences[k]` at `tokens[k]`."""
+    rows = []
+    for c, t in zip(confidences, tokens):
+        p = torch.full((vocab,), (1 - c) / (vocab - 1), dtype=torch.float64)
+        p[t] = c
+        rows.append(p.log())
+    return torch.stack(rows)
+
+
+# ------------------------------------------------------------------------------------------ the rules
+def test_threshold_rule_worked_examples():
+    row = torch.tensor([5, MASK, MASK, MASK, 7])
+    positions = torch.tensor([1, 2, 3])
+    assert threshold_commit(row, _logits_for([0.95, 0.3, 0.6], [10, 11, 12]), positions, MASK, 0.9) == 1
+    assert row.tolist() == [5, 10, MASK, MASK, 7]
+    assert threshold_commit(row, _logits_for([0.99, 0.3, 0.6], [13, 11, 12]), positions, MASK, 0.9) == 1
+    assert row.tolist() == [5, 10, MASK, 12, 7]  # nothing above 0.9 among masks: the most confident one
+    assert threshold_commit(row, _logits_for([0.5, 0.95, 0.99], [0, 14, 15]), positions, MASK, 0.9) == 1
+    assert row.tolist() == [5, 10, 14, 12, 7]  # committed positions are never rewritten
+
+
+def test_stopping_rule():
+    assert answer_end(torch.tensor([9, 4, EOS, MASK]), 1, MASK, EOS) == 3
+    assert answer_end(torch.tensor([9, MASK, EOS, 4]), 1, MASK, EOS) is None  # a mask before the EOS
+    assert answer_end(torch.tensor([9, 4, 5, 6]), 1, MASK, EOS) == 4  # complete without EOS
+
+
+class _Scripted:
+    """A DiffusionModel stand-in that fills a fixed answer, confident on `sure` positions, and counts calls."""
+
+    mask_token_id, eos_token_id, shift, dual_cache = MASK, EOS, 0, False
+
+    def __init__(self, answer, sure):
+        self.answer, self.sure, self.calls = torch.tensor(answer), set(sure), 0
+
+    def new_cache(self):
+        return None
+
+    def full(self, x, cache=None):
+        self.calls += 1
+        conf = [0.99 if p in self.sure else 0.5 for p in range(x.shape[1])]
+        tokens = self.answer[: x.shape[1]].tolist()
+        return _logits_for(conf, tokens).float()[None].expand(x.shape[0], -1, -1)
+
+    def block(self, x, targets, write, cache=None):
+        return self.full(x).gather(1, targets[..., None].expand(-1, -1, VOCAB))
+
+
+def test_fast_dllm_nfe_accounting():
+    prompt = torch.tensor([[3, 4]])
+    answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]
+    model = _Scripted(answer, sure={2, 3, 4, 5})  # block 0 fills at once, block 1 one token per step
+    result = fast_dllm_generate(model, prompt, gen_length=8, block_size=4)
+    # block 0: 1 full forward; block 1: 1 full (commits position 6) + 2 block steps; EOS at 8 decided
+    assert result.sequence.tolist() == answer[:9]
+    assert (result.nfe_full, result.nfe_block, result.nfe) == (2, 2, 4) and model.calls == 4
+
+
+def test_blockbatch_counts_one_batched_forward_as_one_nfe():
+    prompt = torch.tensor([[3, 4]])
+    answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]
+    model = _Scripted(answer, sure=set())
+    result = blockbatch_generate(model, prompt, gen_length=8, block_sizes=(2, 4, 8), refresh_tokens=None)
+    assert result.nfe == model.calls and result.nfe_full == 1
+    assert result.sequence.tolist() == answer[:9]
+
+
+# ---------------------------------------------------------------------------------------- dual cache
+@pytest.mark.parametrize("shift", [0, 1])
+def test_block_forward_on_a_fresh_cache_equals_full_forward(shift):
+    dlm = DiffusionModel(tiny_dlm(shift))
+    x = torch.randint(3, VOCAB, (2, 20))
+    cache = dlm.new_cache()
+    full = dlm.full(x, cache)
+    targets = torch.tensor([[8, 9, 10, 11], [12, 13, 14, 14]])
+    write = torch.tensor([[True] * 4, [True, True, True, False]])  # padding repeats the last position
+    block = dlm.block(x, targets, write, cache)
+    assert torch.allclose(block, full.gather(1, targets[..., None].expand(-1, -1, VOCAB)), atol=1e-5)
+
+
+def test_dual_cache_replaces_the_block_in_place():
+    """With one layer, cached K/V depend only on their own token, so the dual cache is exact."""
+    dlm = DiffusionModel(tiny_dlm(0, layers=1))
+    x = torch.randint(3, VOCAB, (1, 16))
+    cache = dlm.new_cache()
+    dlm.full(x, cache)
+    x[0, 5:9] = torch.tensor([7, 8, 9, 10])  # the block changes
+    window = torch.arange(5, 9)[None]
+    block = dlm.block(x, window, torch.ones_like(window, dtype=torch.bool), cache)
+    assert torch.allclose(block[0], dlm.full(x)[0, 5:9], atol=1e-5)
+    fresh = dlm.new_cache()
+    dlm.full(x, fresh)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cache.keys, fresh.keys))
+
+
+# -------------------------------------------------------------------------------- BlockBatch policies
+def _state(rows, sizes, prompt_len=2):
+    dlm = DiffusionModel(tiny_dlm())
+    x = torch.tensor(rows)
+    state = _Branches(dlm, x, prompt_len, list(sizes))
+    state.cache = dlm.new_cache()
+    dlm.full(x[:1], state.cache)
+    state.cache.expand(len(rows))
+    for i in range(len(rows)):
+        state.snap(i)
+    return state
+
+
+def test_merge_adopts_only_confident_compatible_tokens():
+    """The branch furthest ahead adopts what branches behind it hold in their windows, when its own
+    stored probability for the token clears the gate."""
+    m = MASK
+    state = _state([[3, 4, 10, 11, 12, 13, 14, 15, m, m],   # branch 0 (block 2), window [6, 8)
+                    [3, 4, 10, 11, 12, 13, m, m, m, m]], sizes=[2, 8])  # branch 1 (block 8), window [2, 10)
+    state.start = [6, 2]
+    state.ids[1, 6, 0], state.probs[1, 6, 0] = 14, 0.8  # branch 1's own beliefs
+    state.ids[1, 7, 0], state.probs[1, 7, 0] = 15, 0.3
+    assert merge(state, gate=0.5) == 1
+    assert int(state.x[1, 6]) == 14 and int(state.x[1, 7]) == MASK
+    # an incompatible source (disagrees where both are filled) gives nothing
+    state.x[1, 6], state.x[0, 3], state.start = MASK, 20, [6, 2]
+    assert merge(state, gate=0.5) == 0
+
+
+def test_sync_copies_the_leader_row_and_cache_and_keeps_its_grid():
+    m = MASK
+    state = _state([[3, 4] + [5] * 12 + [m] * 2,
+                    [3, 4, 5] + [m] * 13], sizes=[4, 8])
+    state.cache.keys[0][0, :, 5] += 1.0  # make the leader's cache row recognisable
+    assert sync(state, threshold=8) == 1
+    assert torch.equal(state.x[1], state.x[0])
+    assert torch.equal(state.cache.keys[0][1], state.cache.keys[0][0])
+    assert state.start[1] == 2 + 8  # its own 8-grid at the first mask (position 14 -> block [10, 18))
+    assert sync(state, threshold=8) == 0
+
+
+def test_periodic_refresh_runs_one_batched_full_forward():
+    prompt = torch.randint(3, VOCAB, (1, 4))
+    result = blockbatch_generate(DiffusionModel(tiny_dlm()), prompt, gen_length=16, block_sizes=(4, 8),
+                                 refresh_tokens=4, stop_early=False)
+    assert result.events["refreshes"] >= 1
+    assert result.nfe_full == 1 + result.events["refreshes"]
+    assert result.nfe == result.nfe_full + result.nfe_block
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_batched_branches_equal_each_branch_alone_without_exchange(shift):
+    dlm = DiffusionModel(tiny_dlm(shift, seed=3))
+    prompt = torch.randint(3, VOCAB, (1, 5))
+    kw = dict(gen_length=16, refresh_tokens=None, exchange=False, stop_early=False, threshold=0.05)
+    together = blockbatch_generate(dlm, prompt, block_sizes=(2, 4, 8), **kw)
+    for i, b in enumerate((2, 4, 8)):
+        alone = blockbatch_generate(dlm, prompt, block_sizes=(b,), **kw)
+        assert torch.equal(together.branch_rows[i], alone.branch_rows[0]), f"block size {b}"
+
+
+# -------------------------------------------------------------------------------- entry points, errors
+def test_generate_with_custom_generate_and_clear_errors():
+    model = tiny_dlm()
+    prompt = torch.randint(3, VOCAB, (2, 6))
+    stats = []
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, custom_generate=dllm_generate,
+                         dllm_method="blockbatch", block_sizes=(4, 8), dllm_stats=stats)
+    direct = blockbatch_generate(DiffusionModel(model), prompt[:1], 16, (4, 8))
+    assert torch.equal(out[0, : direct.sequence.numel()], direct.sequence) and len(stats) == 2
+    with pytest.raises(ValueError, match="dllm_method"):
+        model.generate(prompt, max_new_tokens=16, custom_generate=dllm_generate, dllm_method="beam")
+    with pytest.raises(ValueError, match="Unsupported model class"):
+        DiffusionModel(tiny_target("llama"))
+    with pytest.raises(ValueError, match="multiple of"):
+        fast_dllm_generate(DiffusionModel(model), prompt[:1], gen_length=20, block_size=8)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DiffusionLM(DiffusionLMConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4))
