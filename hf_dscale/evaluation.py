@@ -131,6 +131,7 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
         text = tokenizer.decode(answer, skip_special_tokens=True)
         correct += int(final_answer(text) == problem.answer)
         nfe.append(result.nfe)
+        queries += result.query_tokens
         full, block = full + result.nfe_full, block + result.nfe_block
         tokens += answer.numel()
         seconds += wall
@@ -148,4 +149,5 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
         "seconds_per_answer": round(seconds / n, 4),
         "ms_per_nfe": round(1000 * seconds / max(1, sum(nfe)), 3),
         "answer_tokens": round(tokens / n, 2),
+        "query_tokens_per_nfe": round(queries / max(1, sum(nfe)), 2),
     }

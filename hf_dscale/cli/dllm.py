@@ -78,7 +78,6 @@ def train_main(args) -> int:
 
 
 def bench_main(args) -> int:
-    import torch
     from tqdm.auto import tqdm
     from transformers import AutoModel, AutoTokenizer
 

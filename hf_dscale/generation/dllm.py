@@ -35,6 +35,7 @@ class DLLMResult:
     nfe_block: int = 0
     block_size: int | None = None  # the winning branch's
     branch_rows: torch.Tensor | None = None  # BlockBatch: every branch's final row [N, L]
+    query_tokens: int = 0  # tokens run through the model, all forwards together (compute, unlike NFE)
     events: dict = field(default_factory=lambda: {"merged": 0, "synced": 0, "refreshes": 0})
 
 
@@ -93,11 +94,13 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         window = torch.arange(s, s + block_size, device=x.device)
         logits = model.full(x, cache)
         result.nfe_full += 1
+        result.query_tokens += x.shape[1]
         threshold_commit(x[0], logits[0, s : s + block_size], window, mask_id, threshold)
         end = answer_end(x[0], p, mask_id, eos)
         while end is None and bool((x[0, s : s + block_size] == mask_id).any()):
             logits = model.block(x, window[None], torch.ones_like(window[None], dtype=torch.bool), cache)
             result.nfe_block += 1
+            result.query_tokens += block_size
             threshold_commit(x[0], logits[0], window, mask_id, threshold)
             end = answer_end(x[0], p, mask_id, eos)
         if end is not None:
@@ -219,6 +222,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     # init: one full forward of the prompt row, shared by every branch (1 NFE)
     logits = model.full(x1, state.cache)
     result.nfe_full += 1
+    result.query_tokens += x1.shape[1]
     if state.cache is not None:
         state.cache.expand(n)
     for i in range(n):
@@ -239,6 +243,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             if state.cache is not None:
                 state.cache.write_rows(rows, fresh)
             result.nfe_full += 1
+            result.query_tokens += len(live) * x1.shape[1]
             result.events["refreshes"] += 1
             for j, i in enumerate(live):
                 state.since_refresh[i] = 0
@@ -254,6 +259,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 write[i, : w.numel()] = True
             logits = model.block(state.x, targets, write, state.cache)
             result.nfe_block += 1
+            result.query_tokens += n * q
             for i in live:
                 w = state.window(i)
                 state.remember(i, logits[i, : w.numel()], w, prob_floor)
