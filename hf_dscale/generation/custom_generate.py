@@ -34,7 +34,7 @@ def generate(
     drafter=None,
     vp_drafter=None,
     num_branches: int = 4,
-    branch_policy: str = "vp",
+    branch_policy: str = "distinct",
     tree_kernel: bool | None = None,
     streamer_=None,
     dscale_stats=None,

@@ -8,7 +8,10 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
    right after i accepted tokens, if the confidences are calibrated and independent. The K best i are
    the re-anchoring points.
 3. The variable-prefix (VP) drafter reads the K rows `[anchor, t_1..t_i, mask, ...]` in one batched
-   pass (the context K/V are computed once for all rows) and fills positions i+1..γ-1.
+   pass (the context K/V are computed once for all rows) and fills positions i+1..γ-1. With
+   `branch_policy="distinct"` (default) a branch starts with the VP drafter's best token other than
+   t_{i+1}, the token the boundary score says is likely rejected; `"vp"` keeps the plain argmax (the
+   paper's rule, where a branch may repeat the spine's token and add nothing at its branch point).
 4. The spine and the K branches become a token tree (shared prefixes stored once) and the target
    verifies every node in one forward with an ancestor-only mask and positions anchor + depth.
 5. The target walks the tree (`walk_tree`): exact for greedy decoding, lossless for sampling. The
@@ -63,7 +66,7 @@ class _TreeDecoder(_Decoder):
     """The batch-1 D²SD loop; prefill is the block decoder's, with taps for both drafters."""
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
-                 num_branches: int = 4, branch_policy: str = "vp"):
+                 num_branches: int = 4, branch_policy: str = "distinct"):
         layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids)
         self.row, self.row_ids = row, [row]
@@ -160,7 +163,7 @@ def tree_generate(
     cache=None,
     streamer=None,
     num_branches: int = 4,
-    branch_policy: str = "vp",
+    branch_policy: str = "distinct",
     tree_kernel: bool | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.

@@ -17,5 +17,7 @@ from .dllm import DiffusionLM, DiffusionLMConfig  # noqa: E402
 
 AutoConfig.register(DiffusionLMConfig.model_type, DiffusionLMConfig, exist_ok=True)
 AutoModel.register(DiffusionLMConfig, DiffusionLM, exist_ok=True)
+DiffusionLMConfig.register_for_auto_class()
+DiffusionLM.register_for_auto_class("AutoModel")
 
 __all__ += ["DiffusionLM", "DiffusionLMConfig"]

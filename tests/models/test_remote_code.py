@@ -42,3 +42,34 @@ def test_trust_remote_code_in_a_fresh_process(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REMOTE-OK DScaleDrafter" in result.stdout
+
+
+DLLM_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert "hf_dscale" not in sys.modules, "hf_dscale was imported"
+    ids, expected = torch.load(sys.argv[2])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+    print("REMOTE-OK", type(model).__name__)
+    """
+)
+
+
+def test_diffusion_lm_loads_with_trust_remote_code(tmp_path):
+    import torch
+
+    from ..generation.test_dllm import tiny_dlm
+
+    model = tiny_dlm(shift=1)
+    model.save_pretrained(tmp_path / "dlm")
+    ids = torch.randint(3, 40, (2, 9))
+    with torch.no_grad():
+        torch.save((ids, model(ids).logits), tmp_path / "expected.pt")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", PYTHONPATH="")
+    result = subprocess.run([sys.executable, "-c", DLLM_SCRIPT, str(tmp_path / "dlm"), str(tmp_path / "expected.pt")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REMOTE-OK DiffusionLM" in result.stdout

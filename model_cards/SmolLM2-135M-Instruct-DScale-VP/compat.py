@@ -1,0 +1,101 @@
+"""The one module that knows how transformers drifts inside 5.x (5.17 through the newest).
+
+* The forward kwarg `past_key_values` became `cache` in 5.24 (the old name is deprecated).
+* `DynamicCache.crop(n)` with n > 0 truncated to n in <= 5.8, warns in 5.16 and raises in 5.23+;
+  `crop(-n)` (drop the last n) works everywhere.
+* The built-in DFlash candidate generator (5.16+) passes the drafter `hidden_states[i + 1]` for
+  target layer i in some releases and `hidden_states[i]` (one layer early) in others.
+* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); D²SD keeps only the
+  accepted path of a verified token tree by rewriting them in place (`keep_tree_path`).
+* `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
+  `cache` since (see `DraftGenerateOutput` in assistant.py, which answers to both).
+
+It lives beside the drafter because the drafter ships as remote code and must carry it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+from transformers import DynamicCache
+
+
+@lru_cache(maxsize=None)
+def _cache_kwarg(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{'cache': cache} or {'past_key_values': cache}, whichever `model.forward` takes."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+def find_cache(model_kwargs: dict):
+    """Pop the cache `generate()` prepared (under either name), or None."""
+    found = None
+    for name in ("cache", "past_key_values"):
+        value = model_kwargs.pop(name, None)
+        found = found if value is None else value
+    return found
+
+
+def new_cache(model):
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def crop_to(cache, length: int) -> None:
+    """Keep the first `length` positions of every layer."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def keep_tree_path(cache, start: int, path: list[int]) -> None:
+    """After a tree forward appended N nodes at `start`, keep [0, start) plus the K/V of the nodes in
+    `path` (increasing node indices), packed at start, start + 1, ...; drop the rest."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") for layer in layers):
+        raise TypeError(f"{type(cache).__name__} does not expose per-layer keys/values; D²SD needs a DynamicCache.")
+    index = None
+    for layer in layers:
+        if index is None:
+            index = torch.tensor(path, device=layer.keys.device) + start
+        for tensor in (layer.keys, layer.values):
+            tensor[..., start : start + len(path), :] = tensor[..., index, :]
+    crop_to(cache, start + len(path))
+
+
+def attention_implementation(model) -> str:
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def sdpa_attention():
+    """transformers' SDPA attention function (the fallback of hf_dscale's tree attention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def sdpa_mask():
+    """transformers' SDPA mask builder, registered for hf_dscale's tree attention."""
+    from transformers.masking_utils import sdpa_mask as builder
+
+    return builder
+
+
+@lru_cache(maxsize=None)
+def native_dflash_reads_layer_outputs() -> bool:
+    """Whether transformers' `DFlashTokenCandidateGenerator` hands the drafter `hidden_states[i + 1]`
+    (the output of layer i, our convention) for `target_layer_ids` i."""
+    try:
+        from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+    except ImportError:
+        return False
+    source = inspect.getsource(DFlashTokenCandidateGenerator.get_candidates)
+    return "hidden_states[i + 1]" in source

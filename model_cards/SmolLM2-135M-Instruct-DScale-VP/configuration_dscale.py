@@ -1,0 +1,153 @@
+"""Configuration of DScale drafters (DFlash is the `fusion="shared"` special case).
+
+The file is self-contained so that `save_pretrained` can ship it as remote code.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+FUSIONS = ("layerwise", "shared")
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Evenly spaced taps over [1, N-3], with Python's round (half to even) as in the references.
+
+    Worked example: `build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]`.
+    """
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    return [int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps)]
+
+
+class DScaleConfig(PretrainedConfig):
+    r"""A block-diffusion drafter conditioned on hidden states of a target model.
+
+    Args:
+        hidden_size: must equal the target's hidden size (the drafter embeds with the target's table).
+        num_hidden_layers: number of draft layers D.
+        target_layer_ids: target decoder layers whose *outputs* feed the drafter (id = output of layer
+            `id` = `hidden_states[id + 1]` in transformers' convention). Always stored explicitly.
+        num_target_layers: depth N of the target, used to validate the taps.
+        fusion: `"layerwise"` (DScale: every draft layer mixes the T taps with its own softmax weights
+            and has separate target K/V projections) or `"shared"` (DFlash: one `fc` over the
+            concatenated taps, shared by all layers).
+        block_size: tokens per draft block, anchor included (γ).
+        mask_token_id: id of the token that fills the masked block positions.
+        vocab_size: the target's vocabulary size (the drafter borrows its LM head).
+        prefix_prior: β of the truncated geometric prior over prefix lengths that a variable-prefix
+            drafter (D²SD's second drafter) was trained with; None for a plain block drafter.
+    """
+
+    model_type = "dscale"
+
+    def __init__(
+        self,
+        hidden_size: int = 576,
+        intermediate_size: int = 1536,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 9,
+        num_key_value_heads: int = 3,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 8192,
+        initializer_range: float = 0.02,
+        vocab_size: int = 49152,
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int | None = None,
+        fusion: str = "layerwise",
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        loss_decay_gamma: float = 7.0,
+        target_model_type: str | None = None,
+        prefix_prior: float | None = None,
+        **kwargs,
+    ):
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.vocab_size = vocab_size
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        self.num_target_layers = num_target_layers
+        self.fusion = fusion
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.loss_decay_gamma = loss_decay_gamma
+        self.target_model_type = target_model_type
+        self.prefix_prior = prefix_prior
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def validate(self) -> None:
+        """Raise a ValueError that says what to fix; the drafter calls it when it is built or loaded."""
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}.")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (anchor + one draft token), got {self.block_size}.")
+        if not self.target_layer_ids:
+            raise ValueError(
+                "target_layer_ids is empty: store the tapped target layers explicitly, e.g. "
+                "build_target_layer_ids(num_target_layers, 5)."
+            )
+        if self.num_target_layers is not None:
+            bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers - 1]
+            if bad:
+                raise ValueError(
+                    f"target_layer_ids {bad} are outside [0, {self.num_target_layers - 2}] for a target with "
+                    f"{self.num_target_layers} layers (the last layer's output is normalised in hidden_states, "
+                    "so it cannot be tapped)."
+                )
+        if self.mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is missing: choose a token id of the target's vocabulary that fills masked "
+                "block positions (e.g. an unused special token) and set config.mask_token_id."
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}).")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads.")
+
+    @classmethod
+    def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,
+                    fusion: str = "layerwise", mask_token_id: int | None = None, **kwargs) -> "DScaleConfig":
+        """A drafter config whose width, heads and RoPE follow `target_config` (a Llama/Qwen3-style config)."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        n = text.num_hidden_layers
+        num_taps = num_taps or (9 if fusion == "layerwise" else 5)
+        num_taps = min(num_taps, max(1, n - 3))
+        rope = getattr(text, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        fields = dict(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            vocab_size=text.vocab_size,
+            target_layer_ids=build_target_layer_ids(n, num_taps),
+            num_target_layers=n,
+            fusion=fusion,
+            mask_token_id=mask_token_id,
+            target_model_type=text.model_type,
+        )
+        fields.update(kwargs)
+        return cls(**fields)

@@ -1,0 +1,432 @@
+"""DScale block-diffusion drafter (DFlash when `config.fusion == "shared"`).
+
+The drafter is a stack of Qwen3-style decoder layers with no embedding and no LM head of its own: it
+embeds its block with the target's table and reads logits through the target's LM head, both frozen
+and never saved. Its queries are the block tokens; its keys/values are `[target context | block]`,
+attended non-causally. The context is the target's hidden states at `config.target_layer_ids`:
+
+* `fusion="layerwise"` (DScale/DFlare): draft layer d reads `f_d = hidden_norm(Σ_t softmax(w_d)_t h_t)`
+  and projects it with its own `k_proj_target`/`v_proj_target`;
+* `fusion="shared"` (DFlash): every layer reads `hidden_norm(fc(concat_t h_t))` through its own
+  `k_proj`/`v_proj`.
+
+Shapes use B batch, Q block tokens, S new context tokens, C cached context tokens, T taps, H hidden.
+This file is self-contained (it is shipped as remote code by `save_pretrained`); eager attention stays
+here as the readable specification.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+
+from .configuration_dscale import DScaleConfig
+
+
+class DScaleRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DScaleRotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    def frequencies(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, L] -> cos, sin [B, 1, L, head_dim]."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, d]; cos/sin [B, 1, L, d]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _join(context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """[context | block] along the sequence; a batch-1 context is shared by every block row (D²SD)."""
+    if context.shape[0] != block.shape[0]:
+        context = context.expand(block.shape[0], -1, -1, -1)
+    return torch.cat((context, block), dim=-2)
+
+
+class DraftContextCache:
+    """Per-layer K/V of the context tokens only (block K/V are recomputed every call).
+
+    Keys are stored after `k_norm` and RoPE: [B, kv_heads, C, head_dim].
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new context K/V (kc, vc); return [all context | block] keys and values."""
+        if self.keys[layer] is not None:
+            kc = torch.cat((self.keys[layer], kc), dim=-2)
+            vc = torch.cat((self.values[layer], vc), dim=-2)
+        self.keys[layer], self.values[layer] = kc, vc
+        return _join(kc, kb), _join(vc, vb)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.keys = [None if k is None else k[rows] for k in self.keys]
+        self.values = [None if v is None else v[rows] for v in self.values]
+
+
+class _TransformersCache:
+    """Adapter for the cache of transformers' built-in DFlash generator, which keeps context *and* block
+    K/V and crops the block itself before the next call."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(torch.cat((kc, kb), dim=-2), torch.cat((vc, vb), dim=-2), layer)
+
+
+class DScaleAttention(nn.Module):
+    def __init__(self, config: DScaleConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        h, qd, kvd = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, qd, bias=False)
+        self.k_proj = nn.Linear(h, kvd, bias=False)
+        self.v_proj = nn.Linear(h, kvd, bias=False)
+        self.o_proj = nn.Linear(qd, h, bias=False)
+        self.q_norm = DScaleRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = DScaleRMSNorm(self.head_dim, config.rms_norm_eps)
+        if config.fusion == "layerwise":
+            self.k_proj_target = nn.Linear(h, kvd, bias=False)
+            self.v_proj_target = nn.Linear(h, kvd, bias=False)
+        else:  # DFlash: the context shares the block's projections
+            self.k_proj_target = self.v_proj_target = None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, Q, H] block stream
+        context: torch.Tensor,  # [B, S, H] fused context of this layer (S may be 0)
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        cache: DraftContextCache | None,
+        attention_mask: torch.Tensor | None,  # [B, 1, Q, C + Q] bool, True = attend
+    ) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)), *block_rope)
+        kb = apply_rope(self.k_norm(self._heads(self.k_proj(hidden), self.num_kv_heads)), *block_rope)
+        vb = self._heads(self.v_proj(hidden), self.num_kv_heads)
+        k_proj = self.k_proj_target or self.k_proj
+        v_proj = self.v_proj_target or self.v_proj
+        kc = apply_rope(self.k_norm(self._heads(k_proj(context), self.num_kv_heads)), *context_rope)
+        vc = self._heads(v_proj(context), self.num_kv_heads)
+        if cache is not None:
+            k, v = cache.extend(self.layer_idx, kc, vc, kb, vb)
+        else:
+            k, v = _join(kc, kb), _join(vc, vb)
+        groups = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+class DScaleMLP(nn.Module):
+    def __init__(self, config: DScaleConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DScaleDecoderLayer(nn.Module):
+    def __init__(self, config: DScaleConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DScaleAttention(config, layer_idx)
+        self.mlp = DScaleMLP(config)
+        self.input_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, context, block_rope, context_rope, cache, attention_mask):
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), context, block_rope, context_rope, cache, attention_mask
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class _TargetHandle:
+    """What the drafter borrows from its target: embedding, LM head, and the target itself.
+
+    A plain object (not an `nn.Module` attribute) so the borrowed weights are never saved or trained.
+    """
+
+    def __init__(self, target: nn.Module):
+        self.target = target
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+
+class DScalePreTrainedModel(PreTrainedModel):
+    config_class = DScaleConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DScaleDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DScaleRMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, DScaleRotary):  # a non-persistent buffer: rebuilt after meta-device loading
+            module.inv_freq.copy_(module.frequencies())
+        elif isinstance(module, DScaleDrafter) and module.layer_fusion_weights is not None:
+            module.reset_fusion_weights()
+
+
+class DScaleDrafter(DScalePreTrainedModel):
+    """Block-diffusion drafter; see the module docstring.
+
+    Attach it to a target with `bind_target(target)` (done automatically when it is passed as
+    `assistant_model=` to `target.generate`), then `draft_logits(...)` proposes a block.
+    """
+
+    def __init__(self, config: DScaleConfig):
+        super().__init__(config)
+        config.validate()
+        d, t, h = config.num_hidden_layers, config.num_taps, config.hidden_size
+        self.layers = nn.ModuleList(DScaleDecoderLayer(config, i) for i in range(d))
+        self.norm = DScaleRMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = DScaleRMSNorm(h, config.rms_norm_eps)
+        self.rotary = DScaleRotary(config.head_dim, config.rope_theta)
+        if config.fusion == "layerwise":
+            self.fc = None
+            self.layer_fusion_weights = nn.Parameter(torch.zeros(d, t))
+        else:
+            self.fc = nn.Linear(t * h, h, bias=False)
+            self.layer_fusion_weights = None
+        self._handle: _TargetHandle | None = None
+        self._assist = None  # state of the plain `assistant_model=` protocol, see assistant.py
+        self.post_init()
+        self.generation_config = GenerationConfig(
+            num_assistant_tokens=config.block_size - 1,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
+
+    def reset_fusion_weights(self) -> None:
+        """All logits 0 except a 'home' tap per draft layer at 2.0, leaning shallow→deep (DFlare init)."""
+        d, t = self.layer_fusion_weights.shape
+        with torch.no_grad():
+            self.layer_fusion_weights.zero_()
+            for i in range(d):
+                self.layer_fusion_weights[i, min(t - 1, (i * t) // d)] = 2.0
+
+    # ----------------------------------------------------------------------------------------- target
+    def bind_target(self, target: nn.Module) -> "DScaleDrafter":
+        """Check that `target` fits this drafter and borrow its embedding and LM head.
+
+        Raises ValueError naming the mismatch (hidden size, vocabulary, depth, mask token).
+        """
+        cfg = self.config
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        embed = target.get_input_embeddings()
+        head = target.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"{type(target).__name__} has no input embeddings or LM head; use a *ForCausalLM class.")
+        if text.hidden_size != cfg.hidden_size:
+            raise ValueError(
+                f"Drafter hidden_size {cfg.hidden_size} != target hidden_size {text.hidden_size}: this drafter was "
+                "trained for another target."
+            )
+        if embed.weight.shape[0] != cfg.vocab_size or head.weight.shape[0] != cfg.vocab_size:
+            raise ValueError(
+                f"Drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.weight.shape[0]}: this drafter "
+                "was trained for another target."
+            )
+        depth = text.num_hidden_layers
+        bad = [i for i in cfg.target_layer_ids if not 0 <= i < depth - 1]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} do not exist in a {depth}-layer target (valid: 0..{depth - 2}).")
+        if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
+            raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target's embedding table.")
+        tap_layers(target)  # raises for unsupported model classes
+        self._handle = _TargetHandle(target)
+        return self
+
+    @property
+    def target(self) -> nn.Module | None:
+        return None if self._handle is None else self._handle.target
+
+    def _require_target(self) -> _TargetHandle:
+        if self._handle is None:
+            raise RuntimeError("The drafter is not bound to a target: call drafter.bind_target(target) first.")
+        return self._handle
+
+    # ---------------------------------------------------------------------------------------- forward
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [B, S, T, H] -> layerwise: [B, S, D, H]; shared: [B, S, H]."""
+        taps = taps.to(self.norm.weight.dtype)
+        if self.fc is not None:
+            return self.hidden_norm(self.fc(taps.flatten(-2)))
+        mix = torch.softmax(self.layer_fusion_weights.float(), dim=-1).to(taps.dtype)  # [D, T]
+        return self.hidden_norm(torch.einsum("bsth,dt->bsdh", taps, mix))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor | None = None,  # [B, Q, H]
+        taps: torch.Tensor | None = None,  # [B, S, T, H] target hidden states of the new context tokens
+        block_position_ids: torch.Tensor | None = None,  # [B, Q]
+        context_position_ids: torch.Tensor | None = None,  # [B, S]
+        cache: DraftContextCache | None = None,
+        attention_mask: torch.Tensor | None = None,  # [B, 1, Q, C + Q] bool, True = attend
+        **native,
+    ) -> torch.Tensor:
+        """Returns the final-normed block hidden states [B, Q, H] (apply the target LM head for logits).
+
+        transformers' built-in DFlash generator (`speculation_type="dflash"`) calls with its own names
+        (`noise_embeds`, `context_hidden_states`, `position_ids`, `cache`/`past_key_values`); see
+        `_native_forward`.
+        """
+        if "noise_embeds" in native:
+            return self._native_forward(cache=cache, **native)
+        fused = self.fuse(taps)
+        hidden = block_embeds.to(self.norm.weight.dtype)
+        block_rope = self.rotary(block_position_ids, hidden.dtype)
+        context_rope = self.rotary(context_position_ids, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            context = fused if self.fc is not None else fused[:, :, i]
+            hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask)
+        return self.norm(hidden)
+
+    def _native_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
+                        past_key_values=None, **unused):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        from .compat import native_dflash_reads_layer_outputs
+
+        if not native_dflash_reads_layer_outputs():
+            raise ValueError(
+                "This transformers release's built-in DFlash generator passes hidden_states[i] (the output of layer "
+                "i-1) for target layer i, one layer off from what this drafter was trained on. Use "
+                "`target.generate(..., assistant_model=drafter)` without speculation_type (same output, right "
+                "taps), or transformers >= 5.23."
+            )
+        b, s, _ = context_hidden_states.shape
+        taps = context_hidden_states.view(b, s, self.config.num_taps, self.config.hidden_size)
+        hf_cache = cache if cache is not None else past_key_values
+        hidden = self(noise_embeds, taps, position_ids[:, s:], position_ids[:, :s],
+                      None if hf_cache is None else _TransformersCache(hf_cache))
+        return BaseModelOutput(last_hidden_state=hidden)
+
+    def draft_logits(
+        self,
+        anchor_ids: torch.Tensor,  # [B, 1] last committed token of each row
+        taps: torch.Tensor,  # [B, S, T, H]
+        anchor_positions: torch.Tensor,  # [B] absolute position of each anchor
+        context_position_ids: torch.Tensor,  # [B, S]
+        cache: DraftContextCache | None,
+        context_valid: torch.Tensor | None = None,  # [B, C] bool over all cached context columns
+    ) -> torch.Tensor:
+        """Propose one block: logits [B, γ-1, V] for the γ-1 tokens after each anchor."""
+        b, gamma = anchor_ids.shape[0], self.config.block_size
+        block = anchor_ids.new_full((b, gamma), self.config.mask_token_id)
+        block[:, :1] = anchor_ids
+        return self.block_logits(block, anchor_positions, taps, context_position_ids, cache, context_valid)
+
+    def block_logits(
+        self,
+        block_ids: torch.Tensor,  # [R, γ]: anchor, then known tokens or mask_token_id
+        anchor_positions: torch.Tensor,  # [R] (or [1], shared)
+        taps: torch.Tensor,  # [B, S, T, H] with B = R, or B = 1 for a context shared by all rows
+        context_position_ids: torch.Tensor,  # [B, S]
+        cache: DraftContextCache | None,
+        context_valid: torch.Tensor | None = None,  # [B, C] bool over all cached context columns
+    ) -> torch.Tensor:
+        """Logits [R, γ-1, V] at block positions 1..γ-1.
+
+        A variable-prefix drafter reads rows like `[anchor, t_1..t_i, mask, ...]` and fills the rest;
+        with a batch-1 context every row shares its K/V, computed once.
+        """
+        handle = self._require_target()
+        r, gamma = block_ids.shape
+        positions = anchor_positions.reshape(-1, 1) + torch.arange(gamma, device=block_ids.device)
+        positions = positions.expand(r, gamma)
+        mask = None
+        if context_valid is not None:
+            ones = context_valid.new_ones(context_valid.shape[0], gamma)
+            mask = torch.cat((context_valid, ones), dim=1)[:, None, None, :].expand(r, 1, gamma, -1)
+        hidden = self(handle.embed(block_ids), taps, positions, context_position_ids, cache, mask)
+        return handle.lm_head(hidden[:, 1:].to(handle.lm_head.weight.dtype))
+
+    # ------------------------------------------------------------------ plain `assistant_model=` path
+    def generate(self, input_ids: torch.Tensor, **kwargs):
+        """The assistant side of `target.generate(..., assistant_model=drafter)`.
+
+        transformers calls this with the token ids only; the drafter finds the target that called it,
+        reads the target's hidden states through forward hooks on the tapped layers, and returns a
+        block of candidates. See `assistant.py`.
+        """
+        from .assistant import assistant_generate
+
+        return assistant_generate(self, input_ids, **kwargs)
+
+    def _supports_logits_to_keep(self) -> bool:  # read by AssistedCandidateGenerator
+        return False
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Loads native checkpoints, and DFlash (z-lab) / DFlare (AngelSlim) ones, detected by weight names."""
+        from .convert import load_reference_checkpoint, reference_layout
+
+        path = str(pretrained_model_name_or_path)
+        if os.path.isdir(path) and reference_layout(path) is not None:
+            return load_reference_checkpoint(cls, path, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def tap_layers(target: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM whose outputs can be tapped (Llama/Qwen-style `model.layers`)."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"Unsupported target class {type(target).__name__}: hf_dscale taps hidden states from "
+            "`model.layers` of decoder-only causal LMs (Llama, Qwen2/3, Mistral, ...)."
+        )
+    return layers
+
+
+__all__ = ["DScaleDrafter", "DScalePreTrainedModel", "DraftContextCache", "tap_layers"]
