@@ -7,8 +7,8 @@ import os
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("card", help="write the model card of a drafter folder from `hf-dscale bench` JSON reports")
-    p.add_argument("--drafter", required=True)
+    p = sub.add_parser("card", help="write the model card of a drafter (or diffusion LM) folder from bench reports")
+    p.add_argument("--drafter", required=True, help="the folder (a drafter, or a DiffusionLM with bench-dllm reports)")
     p.add_argument("--name", default=None, help="repo name (default: the folder name)")
     p.add_argument("--target-name", default="SmolLM2-135M-Instruct")
     p.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -19,10 +19,13 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from ..hub import render_card
-    from ..models import DScaleDrafter
+    from ..hub import render_card, render_dllm_card
+    from ..models import DiffusionLMConfig, DScaleConfig
 
-    config = DScaleDrafter.config_class.from_pretrained(args.drafter)
+    with open(os.path.join(args.drafter, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    dllm = model_type == DiffusionLMConfig.model_type
+    config = (DiffusionLMConfig if dllm else DScaleConfig).from_pretrained(args.drafter)
     benches = []
     for item in args.bench:
         label, path = item.split("=", 1)
@@ -33,7 +36,10 @@ def main(args) -> int:
     training = dict(item.split("=", 1) for item in args.training)
     notes = open(args.notes).read() if args.notes else ""
     name = args.name or os.path.basename(os.path.abspath(args.drafter))
-    card = render_card(name, config, args.target_name, args.base_model, training, benches, notes)
+    if dllm:
+        card = render_dllm_card(name, config, training, benches, notes)
+    else:
+        card = render_card(name, config, args.target_name, args.base_model, training, benches, notes)
     with open(os.path.join(args.drafter, "README.md"), "w") as f:
         f.write(card)
     print(f"wrote {os.path.join(args.drafter, 'README.md')}")

@@ -1,5 +1,5 @@
-"""Publishing drafters (what is published): model cards."""
+"""Publishing drafters and diffusion LMs (what is published): model cards."""
 
-from .card import render_card
+from .card import render_card, render_dllm_card
 
-__all__ = ["render_card"]
+__all__ = ["render_card", "render_dllm_card"]

@@ -131,3 +131,73 @@ target forward, bonus included):
 
 {notes}
 """
+
+
+def render_dllm_card(name: str, config, training: dict, benches: list[dict], notes: str = "") -> str:
+    """The README.md of a DiffusionLM folder; benches are `hf-dscale bench-dllm` reports."""
+    rows = [
+        "| method | task | seed | n | NFE (full + block) | accuracy | tokens/s | s/answer | query tokens / NFE |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in benches:
+        r = b["report"]
+        rows.append(f"| {r['method']} | {r.get('task', '')} | {r.get('seed', '')} | {r['n_prompts']} | {r['nfe']:.1f} "
+                    f"({r['nfe_full']:.1f} + {r['nfe_block']:.1f}) | {100 * r['accuracy']:.1f}% | "
+                    f"{r['tokens_per_s']:.1f} | {r['seconds_per_answer']:.2f} | {r['query_tokens_per_nfe']:.0f} |")
+    commands = "\n".join(b["command"] for b in benches)
+    training_lines = "\n".join(f"- **{k}**: {v}" for k, v in training.items())
+    style = "LLaDA-style (the logit at p predicts p)" if config.logits_shift == 0 else "Dream-style (shifted)"
+    return f"""---
+library_name: transformers
+license: apache-2.0
+pipeline_tag: text-generation
+tags:
+- diffusion-language-model
+- masked-diffusion
+- fast-dllm
+- blockbatch
+- hf_dscale
+---
+
+# {name}
+
+A small **masked-diffusion language model** (bidirectional attention, {style}) trained from scratch by
+`hf-dscale train-dllm` on the `{getattr(config, 'task', '?')}` task, to exercise diffusion-LM decoders: Fast-dLLM
+(threshold 0.9, dual KV cache) and BlockBatch (batched branches of several block sizes). It fills an answer
+region of {getattr(config, 'gen_length', '?')} masked tokens after the prompt.
+
+| | |
+|---|---|
+| layers | {config.num_hidden_layers} (hidden {config.hidden_size}, {config.num_attention_heads} heads, MLP {config.intermediate_size}) |
+| vocabulary | {config.vocab_size} word-level tokens (digits are single tokens); mask id {config.mask_token_id}, EOS id {config.eos_token_id} |
+| dual KV cache | block forwards replace the block's K/V in place and attend to the cached prefix and suffix |
+
+## Usage
+
+```python
+from transformers import AutoModel, AutoTokenizer
+from hf_dscale.generation import dllm_generate
+model = AutoModel.from_pretrained("{name}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+ids = tokenizer("[BOS] " + question, return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens={getattr(config, 'gen_length', 96)}, do_sample=False, custom_generate=dllm_generate,
+                     dllm_method="blockbatch")  # or "fast-dllm"
+```
+
+## Training
+
+{training_lines}
+
+## Measured
+
+Fresh held-out problems (a split never trained on), greedy, one problem at a time; NFE = model forwards per
+answer (one batched forward = 1); both methods stop by the same rule (an EOS with no mask before it).
+
+{chr(10).join(rows)}
+
+```bash
+{commands}
+```
+
+{notes}
+"""

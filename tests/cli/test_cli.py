@@ -128,3 +128,7 @@ def test_train_dllm_then_bench_both_methods(tmp_path):
         for key in ("method", "n_prompts", "nfe", "accuracy", "tokens_per_s"):
             assert key in report
         assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1
+    assert main(["card", "--drafter", str(out), "--bench", f"a={tmp_path / 'fast-dllm.json'}",
+                 f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "masked-diffusion" in card and "hf-dscale bench-dllm" in card
