@@ -99,6 +99,7 @@ def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig
     def save(at: int) -> None:
         path = os.path.join(out_dir, f"checkpoint-{at}")
         model.save_pretrained(path)
+        tokenizer.save_pretrained(path)  # a checkpoint is a complete folder that bench-dllm loads as is
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": at,
                     "config": asdict(cfg)}, os.path.join(path, "trainer_state.pt.tmp"))
         os.replace(os.path.join(path, "trainer_state.pt.tmp"), os.path.join(path, "trainer_state.pt"))
@@ -131,4 +132,5 @@ def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig
         raise
     model.eval()
     model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     return model
