@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     t.add_argument("--steps", type=int, default=3000)
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--gen-length", type=int, default=96, help="answer region G (a multiple of the block sizes)")
+    t.add_argument("--gen-length", type=int, default=128, help="answer region G (a multiple of the block sizes)")
     t.add_argument("--hidden-size", type=int, default=256)
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4)

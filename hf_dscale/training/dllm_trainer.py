@@ -29,7 +29,7 @@ class DLLMTrainConfig:
     lr: float = 1e-3
     warmup_ratio: float = 0.03
     weight_decay: float = 0.01
-    gen_length: int = 96
+    gen_length: int = 128
     seed: int = 0
     save_every: int = 250
     keep_checkpoints: int = 2

@@ -118,7 +118,7 @@ def test_run_prints_tau_and_speedup(folders, capsys):
 def test_train_dllm_then_bench_both_methods(tmp_path):
     out = tmp_path / "dlm"
     assert main(["train-dllm", "--out", str(out), "--steps", "3", "--save-every", "2", "--batch-size", "4",
-                 "--hidden-size", "32", "--layers", "1", "--heads", "2", "--gen-length", "96"]) == 0
+                 "--hidden-size", "32", "--layers", "1", "--heads", "2", "--gen-length", "128"]) == 0
     assert (out / "checkpoint-2" / "trainer_state.pt").exists() and (out / "tokenizer.json").exists()
     for method in ("fast-dllm", "blockbatch"):
         report_path = tmp_path / f"{method}.json"
