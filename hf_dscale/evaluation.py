@@ -107,7 +107,7 @@ def bench_speculative(
 
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
-               block_sizes=(4, 8, 16, 32), threshold: float = 0.9,
+               block_sizes=(4, 8, 16, 32, 64, 128), threshold: float = 0.9,
                on_problem: Callable[[int], None] | None = None) -> dict:
     """Decode each problem with Fast-dLLM or BlockBatch; NFE, accuracy (final number) and speed."""
     from .generation.dllm import blockbatch_generate, fast_dllm_generate

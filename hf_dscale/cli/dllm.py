@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     b.add_argument("--limit", type=int, default=100)
     b.add_argument("--gen-length", type=int, default=None, help="default: the model's training gen_length")
     b.add_argument("--block-size", type=int, default=32, help="Fast-dLLM block")
-    b.add_argument("--block-sizes", default="4,8,16,32", help="BlockBatch branches")
+    b.add_argument("--block-sizes", default="4,8,16,32,64,128", help="BlockBatch branches (the paper's default set)")
     b.add_argument("--threshold", type=float, default=0.9)
     b.add_argument("--device", default="auto")
     b.add_argument("--json", default=None)
