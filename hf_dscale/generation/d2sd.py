@@ -29,7 +29,7 @@ from ..kernels.hf_attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
-from .decode import _commit, _Decoder, _Rows
+from .decode import _commit, _Decoder, _Rows, lay_out
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -187,9 +187,8 @@ def tree_generate(
     for model in (drafter, vp_drafter):
         if model.target is not target:
             model.bind_target(target)
-    b, p = input_ids.shape
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
-    if b > 1 and streamer is not None:
+    if input_ids.shape[0] > 1 and streamer is not None:
         raise ValueError("Streamers support batch size 1 only.")
     if tree_kernel is None:
         tree_kernel = input_ids.device.type == "cuda" and triton_usable(input_ids.device) and attn in ("sdpa", "eager")
@@ -205,7 +204,7 @@ def tree_generate(
 
 def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria, do_sample,
                  pad_token_id, cache, streamer, num_branches, branch_policy):
-    b, p = input_ids.shape
+    b = input_ids.shape[0]
     stats = DecodeStats()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
     for i in range(b):
@@ -221,9 +220,4 @@ def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor
         stats.merge(decoder.stats)
     if streamer is not None:
         streamer.end()
-    length = max(len(g) for g in rows.generated)
-    out_ids = input_ids.new_full((b, p + length), pad_token_id)
-    out_ids[:, :p] = input_ids
-    for i, g in enumerate(rows.generated):
-        out_ids[i, p : p + len(g)] = input_ids.new_tensor(g)
-    return out_ids, stats
+    return lay_out(input_ids, rows.generated, pad_token_id), stats

@@ -24,6 +24,17 @@ from .acceptance import greedy_accept, speculative_accept
 from .types import DecodeStats
 
 
+def lay_out(input_ids: torch.Tensor, generated, pad_token_id: int) -> torch.Tensor:
+    """Sequences as plain `generate()` returns them: each (left-padded) prompt row, its generated tokens
+    (a list or tensor per row), then `pad_token_id` up to the longest row."""
+    b, p = input_ids.shape
+    out = input_ids.new_full((b, p + max(len(g) for g in generated)), pad_token_id)
+    out[:, :p] = input_ids
+    for i, g in enumerate(generated):
+        out[i, p : p + len(g)] = torch.as_tensor(g, dtype=input_ids.dtype, device=input_ids.device)
+    return out
+
+
 class _ForRow:
     """`generate()`'s logits processors applied to row `row` of a batch of `batch` rows.
 
@@ -199,7 +210,7 @@ def speculative_generate(
     """
     if drafter.target is not target:
         drafter.bind_target(target)
-    b, p = input_ids.shape
+    b = input_ids.shape[0]
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)
     cache = cache if cache is not None else compat.new_cache(target)
@@ -213,9 +224,4 @@ def speculative_generate(
         if streamer is not None:
             streamer.end()
 
-    length = max(len(g) for g in rows.generated)
-    out_ids = input_ids.new_full((b, p + length), pad_token_id)
-    out_ids[:, :p] = input_ids
-    for i, g in enumerate(rows.generated):
-        out_ids[i, p : p + len(g)] = input_ids.new_tensor(g)
-    return out_ids, decoder.stats
+    return lay_out(input_ids, rows.generated, pad_token_id), decoder.stats

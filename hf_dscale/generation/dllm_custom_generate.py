@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..models.dllm import DiffusionModel
+from .decode import lay_out
 from .dllm import blockbatch_generate, fast_dllm_generate
 
 METHODS = ("fast-dllm", "blockbatch")
@@ -40,8 +41,4 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
             dllm_stats.append(result)
     pad = generation_config.pad_token_id if generation_config is not None else None
     pad = pad if pad is not None else dlm.eos_token_id if dlm.eos_token_id is not None else 0
-    out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + max(a.numel() for a in answers)), pad)
-    out[:, : input_ids.shape[1]] = input_ids
-    for b, a in enumerate(answers):
-        out[b, input_ids.shape[1] : input_ids.shape[1] + a.numel()] = a
-    return out
+    return lay_out(input_ids, answers, pad)

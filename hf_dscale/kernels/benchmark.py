@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..generation.tree import TokenTree
 from .tree_attention import tree_attention_triton
 
 
@@ -42,14 +43,9 @@ def benchmark_tree_attention(
 
             q = rand(1, heads, n, head_dim)
             kp, vp, kt, vt = (rand(1, kv_heads, length, head_dim) for length in (c, c, n, n))
-            parents = torch.randint(0, 1 << 30, (n,), generator=g, device="cuda").cpu()
-            mask = torch.zeros(n, n, dtype=torch.bool)
-            for i in range(n):
-                p = -1 if i == 0 else int(parents[i]) % i
-                if p >= 0:
-                    mask[i] = mask[p]
-                mask[i, i] = True
-            mask = mask.cuda()[None]
+            draws = torch.randint(0, 1 << 30, (n,), generator=g, device="cuda").tolist()
+            parents = [-1] + [draws[i] % i for i in range(1, n)]
+            mask = TokenTree(list(range(n)), parents, [0] * n, [{} for _ in range(n)]).ancestor_mask("cuda")[None]
             dense = torch.cat((torch.ones(1, n, c, dtype=torch.bool, device="cuda"), mask), dim=2)[:, None]
             groups = heads // kv_heads
 

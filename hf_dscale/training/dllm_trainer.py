@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 from ..models.dllm import DiffusionLM
 from .dllm_tasks import make_problems
+from .trainer import _checkpoints, finish_checkpoint
 
 
 @dataclass
@@ -72,14 +72,6 @@ def diffusion_loss(model: DiffusionLM, ids, answer_mask, generator: torch.Genera
     return loss, accuracy
 
 
-def _checkpoints(out_dir: str) -> list[str]:
-    if not os.path.isdir(out_dir):
-        return []
-    found = [n for n in os.listdir(out_dir) if n.startswith("checkpoint-") and n[11:].isdigit()
-             and os.path.isfile(os.path.join(out_dir, n, "trainer_state.pt"))]
-    return [os.path.join(out_dir, n) for n in sorted(found, key=lambda n: int(n[11:]))]
-
-
 def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig,
                on_step: Callable[[int, dict], None] | None = None) -> DiffusionLM:
     """Train for cfg.steps (resuming from the newest checkpoint in out_dir); final model saved in out_dir."""
@@ -100,11 +92,8 @@ def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig
         path = os.path.join(out_dir, f"checkpoint-{at}")
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)  # a checkpoint is a complete folder that bench-dllm loads as is
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": at,
-                    "config": asdict(cfg)}, os.path.join(path, "trainer_state.pt.tmp"))
-        os.replace(os.path.join(path, "trainer_state.pt.tmp"), os.path.join(path, "trainer_state.pt"))
-        for old in _checkpoints(out_dir)[: -cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        finish_checkpoint(out_dir, path, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                          "step": at, "config": asdict(cfg)}, cfg.keep_checkpoints)
 
     model.train()
     device = next(model.parameters()).device

@@ -114,6 +114,15 @@ def _checkpoints(out_dir: str) -> list[str]:
     return [os.path.join(out_dir, n) for n in sorted(found, key=lambda n: int(n[11:]))]
 
 
+def finish_checkpoint(out_dir: str, path: str, state: dict, keep: int) -> None:
+    """Write `trainer_state.pt` into the checkpoint folder `path` atomically (its presence marks the
+    checkpoint complete), then delete all but the newest `keep` checkpoints of `out_dir`."""
+    torch.save(state, os.path.join(path, "trainer_state.pt.tmp"))
+    os.replace(os.path.join(path, "trainer_state.pt.tmp"), os.path.join(path, "trainer_state.pt"))
+    for old in _checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def train_drafter(
     drafter: DScaleDrafter,
     target,
@@ -162,11 +171,8 @@ def train_drafter(
             return
         path = os.path.join(out_dir, f"checkpoint-{at}")
         accelerator.unwrap_model(model).save_pretrained(path)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": at,
-                    "config": asdict(cfg)}, os.path.join(path, "trainer_state.pt.tmp"))
-        os.replace(os.path.join(path, "trainer_state.pt.tmp"), os.path.join(path, "trainer_state.pt"))
-        for old in _checkpoints(out_dir)[: -cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        finish_checkpoint(out_dir, path, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                          "step": at, "config": asdict(cfg)}, cfg.keep_checkpoints)
 
     try:
         while step < cfg.steps:
