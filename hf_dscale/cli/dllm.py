@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--logits-shift", type=int, default=0, choices=[0, 1], help="0 LLaDA-style, 1 Dream-style")
     t.add_argument("--save-every", type=int, default=250)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="the training problems drawn (use a new one when continuing)")
+    t.add_argument("--init-from", default=None,
+                   help="continue from a trained DiffusionLM folder (its size and tokenizer; a fresh schedule)")
     t.add_argument("--device", default="auto")
     t.set_defaults(func=train_main)
 
@@ -49,15 +51,26 @@ def train_main(args) -> int:
     from .common import pick_device
 
     device = pick_device(args.device)
-    tokenizer = build_tokenizer()
-    config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
-                               intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
-                               num_attention_heads=args.heads, mask_token_id=tokenizer.mask_token_id,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                               bos_token_id=tokenizer.bos_token_id, logits_shift=args.logits_shift,
-                               task=args.task, gen_length=args.gen_length)
     torch.manual_seed(args.seed)
-    model = DiffusionLM(config).to(device)
+    if args.init_from:
+        from transformers import AutoTokenizer
+
+        model = DiffusionLM.from_pretrained(args.init_from)
+        if model.config.task != args.task:
+            raise ValueError(f"--init-from {args.init_from} was trained on task {model.config.task!r}, not "
+                             f"{args.task!r}; pass --task {model.config.task}.")
+        tokenizer = AutoTokenizer.from_pretrained(args.init_from)
+        args.gen_length = model.config.gen_length
+    else:
+        tokenizer = build_tokenizer()
+        config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
+                                   intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
+                                   num_attention_heads=args.heads, mask_token_id=tokenizer.mask_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                   bos_token_id=tokenizer.bos_token_id, logits_shift=args.logits_shift,
+                                   task=args.task, gen_length=args.gen_length)
+        model = DiffusionLM(config)
+    model = model.to(device)
     os.makedirs(args.out, exist_ok=True)
     tokenizer.save_pretrained(args.out)
     cfg = DLLMTrainConfig(task=args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

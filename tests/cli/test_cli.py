@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from hf_dscale.cli import main
 
@@ -132,3 +133,21 @@ def test_train_dllm_then_bench_both_methods(tmp_path):
                  f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "masked-diffusion" in card and "hf-dscale bench-dllm" in card
+
+
+def test_train_dllm_init_from_continues_a_trained_model(tmp_path, capsys):
+    from hf_dscale.models.dllm import DiffusionLM
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train-dllm", "--out", str(first), "--steps", "2", "--batch-size", "2", "--hidden-size", "32",
+                 "--layers", "1", "--heads", "2", "--gen-length", "128"]) == 0
+    assert main(["train-dllm", "--init-from", str(first), "--out", str(second), "--steps", "3", "--batch-size", "2",
+                 "--seed", "1", "--hidden-size", "64"]) == 0  # the shape flags yield to the model's config
+    before, after = DiffusionLM.from_pretrained(first), DiffusionLM.from_pretrained(second)
+    assert after.config.hidden_size == 32 and after.config.gen_length == 128
+    pairs = list(zip(before.state_dict().values(), after.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in pairs)  # trained (the first step is warm-up at lr 0) ...
+    assert max(float((a - b).abs().max()) for a, b in pairs) < 0.01  # ... from the first model's weights
+    assert (second / "tokenizer.json").exists()
+    assert main(["train-dllm", "--init-from", str(first), "--out", str(tmp_path / "x"), "--task", "other"]) == 2
+    assert "trained on task 'arithmetic'" in capsys.readouterr().err
