@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from .common import add_model_args, load_drafter, load_models
+from .common import add_model_args, emit_report, load_drafter, load_models
 
 
 def add_parser(sub) -> None:
@@ -13,7 +11,7 @@ def add_parser(sub) -> None:
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
     p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
     p.add_argument("--num-branches", type=int, default=4, help="d2sd: VP branches per cycle (K)")
-    p.add_argument("--branch-policy", choices=["vp", "distinct"], default="distinct",
+    p.add_argument("--branch-policy", choices=["vp", "distinct", "ranked"], default="distinct",
                    help="d2sd: distinct = at a branch point the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
@@ -67,11 +65,7 @@ def main(args) -> int:
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens, device=str(target.device),
                   dtype=str(target.dtype))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, args.json)
     if args.plot:
         _plot(report["acceptance_histogram"], args.plot, f"{args.method}: tau = {report['tau']:.2f}")
     return 0 if report["identical"] else 1

@@ -1,7 +1,8 @@
-"""Loading helpers shared by the subcommands."""
+"""Helpers shared by the subcommands: loading, reports, training progress."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -49,3 +50,25 @@ def load_drafter(path: str, target):
         raise FileNotFoundError(f"No drafter at {path} (a folder with config.json and model.safetensors).")
     drafter = DScaleDrafter.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
     return drafter.bind_target(target)
+
+
+def emit_report(report: dict, json_path: str | None) -> None:
+    """Print a JSON report and, with --json, write it to that file too."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+
+
+def training_progress(bar, out_dir: str):
+    """An on_step callback: the progress bar shows loss/accuracy and every step's metrics go to log.jsonl."""
+
+    def on_step(step: int, metrics: dict) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+        bar.refresh()
+        with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    return on_step

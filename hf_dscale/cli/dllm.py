@@ -3,7 +3,6 @@ Fast-dLLM vs BlockBatch decoding on fresh held-out problems."""
 
 from __future__ import annotations
 
-import json
 import os
 
 
@@ -48,7 +47,7 @@ def train_main(args) -> int:
     from ..models.dllm import DiffusionLM, DiffusionLMConfig
     from ..training.dllm_tasks import build_tokenizer
     from ..training.dllm_trainer import DLLMTrainConfig, train_dllm
-    from .common import pick_device
+    from .common import pick_device, training_progress
 
     device = pick_device(args.device)
     torch.manual_seed(args.seed)
@@ -76,13 +75,7 @@ def train_main(args) -> int:
     cfg = DLLMTrainConfig(task=args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                           gen_length=args.gen_length, seed=args.seed, save_every=args.save_every)
     bar = tqdm(total=args.steps, desc=f"train-dllm {args.task}", unit="step")
-
-    def on_step(step, metrics):
-        bar.n = step
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-        bar.refresh()
-        with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+    on_step = training_progress(bar, args.out)
 
     train_dllm(model, tokenizer, args.out, cfg, on_step)
     bar.close()
@@ -97,7 +90,7 @@ def bench_main(args) -> int:
     from ..evaluation import bench_dllm
     from ..models.dllm import DiffusionModel
     from ..training.dllm_tasks import make_problems
-    from .common import pick_device
+    from .common import emit_report, pick_device
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"No model at {args.model} (a folder with config.json, weights and a tokenizer).")
@@ -117,9 +110,5 @@ def bench_main(args) -> int:
     bar.close()
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,
                   device=str(device))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, args.json)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from .common import emit_report
 
 
 def add_parser(sub) -> None:
@@ -22,9 +22,5 @@ def main(args) -> int:
     rows = benchmark_tree_attention([int(x) for x in args.prefix_lengths.split(",")],
                                     [int(x) for x in args.tree_sizes.split(",")], dtype=getattr(torch, args.dtype))
     report = {"command": args.command_line, "device": torch.cuda.get_device_name(), "rows": rows}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, args.json)
     return 0

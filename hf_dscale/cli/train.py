@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from .common import pick_device, pick_dtype
+from .common import pick_device, pick_dtype, training_progress
 
 
 def add_parser(sub) -> None:
@@ -83,13 +83,7 @@ def main(args) -> int:
     with open(os.path.join(args.out, "train_args.json"), "w") as f:
         json.dump(vars(args) | {"func": None}, f, indent=2, default=str)
     bar = tqdm(total=args.steps, desc=f"train {config.fusion}", unit="step")
-
-    def on_step(step, metrics):
-        bar.n = step
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-        bar.refresh()
-        with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+    on_step = training_progress(bar, args.out)
 
     train_drafter(drafter, target, args.data_dir, args.out, cfg, on_step=on_step)
     bar.close()
