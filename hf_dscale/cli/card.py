@@ -28,13 +28,16 @@ def main(args) -> int:
     config = (DiffusionLMConfig if dllm else DScaleConfig).from_pretrained(args.drafter)
     benches = []
     for item in args.bench:
-        label, path = item.split("=", 1)
+        label, path = _pair(item, "--bench", "LABEL=REPORT.json")
         with open(path) as f:
             report = json.load(f)
         report["prompts_name"] = os.path.basename(report.get("prompts", ""))
         benches.append({"label": label, "command": report.get("command", ""), "report": report})
-    training = dict(item.split("=", 1) for item in args.training)
-    notes = open(args.notes).read() if args.notes else ""
+    training = dict(_pair(item, "--training", "KEY=VALUE") for item in args.training)
+    notes = ""
+    if args.notes:
+        with open(args.notes) as f:
+            notes = f.read()
     name = args.name or os.path.basename(os.path.abspath(args.drafter))
     if dllm:
         card = render_dllm_card(name, config, training, benches, notes)
@@ -44,3 +47,10 @@ def main(args) -> int:
         f.write(card)
     print(f"wrote {os.path.join(args.drafter, 'README.md')}")
     return 0
+
+
+def _pair(item: str, flag: str, form: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"{flag} takes {form}, got {item!r}.")
+    return key, value

@@ -116,7 +116,7 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
 
 
-def test_train_dllm_then_bench_both_methods(tmp_path):
+def test_train_dllm_then_bench_both_methods(tmp_path, capsys):
     out = tmp_path / "dlm"
     assert main(["train-dllm", "--out", str(out), "--steps", "3", "--save-every", "2", "--batch-size", "4",
                  "--hidden-size", "32", "--layers", "1", "--heads", "2", "--gen-length", "128"]) == 0
@@ -133,6 +133,8 @@ def test_train_dllm_then_bench_both_methods(tmp_path):
                  f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "masked-diffusion" in card and "hf-dscale bench-dllm" in card
+    assert main(["card", "--drafter", str(out), "--bench", str(tmp_path / "fast-dllm.json")]) == 2
+    assert "--bench takes LABEL=REPORT.json" in capsys.readouterr().err
 
 
 def test_train_dllm_init_from_continues_a_trained_model(tmp_path, capsys):
