@@ -11,8 +11,9 @@ def add_parser(sub) -> None:
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
     p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
     p.add_argument("--num-branches", type=int, default=4, help="d2sd: VP branches per cycle (K)")
-    p.add_argument("--branch-policy", choices=["vp", "distinct", "ranked"], default="distinct",
-                   help="d2sd: distinct = at a branch point the VP drafter's best token unlike the first draft's; "
+    p.add_argument("--branch-policy", choices=["ranked", "distinct", "vp"], default="ranked",
+                   help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
+                        "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)

@@ -34,7 +34,7 @@ def generate(
     drafter=None,
     vp_drafter=None,
     num_branches: int = 4,
-    branch_policy: str = "distinct",
+    branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
     streamer_=None,
     dscale_stats=None,
@@ -46,8 +46,10 @@ def generate(
         drafter: a `DScaleDrafter` (or a path to one) trained for `model`.
         vp_drafter: a variable-prefix drafter (or a path) to decode with D²SD: the first drafter's draft
             plus `num_branches` re-drafted branches, verified as one token tree. Batches run row by row.
-        branch_policy: "vp" (the VP drafter's argmax everywhere, as in the paper) or "distinct" (at a
-            branch point, the VP drafter's best token other than the first draft's).
+        branch_policy: "ranked" (the K best (boundary, token) branch starts by rejection chance times
+            the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
+            starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
+            drafter's argmax everywhere, as in the paper).
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:

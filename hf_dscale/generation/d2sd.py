@@ -8,10 +8,14 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
    right after i accepted tokens, if the confidences are calibrated and independent. The K best i are
    the re-anchoring points.
 3. The variable-prefix (VP) drafter reads the K rows `[anchor, t_1..t_i, mask, ...]` in one batched
-   pass (the context K/V are computed once for all rows) and fills positions i+1..γ-1. With
-   `branch_policy="distinct"` (default) a branch starts with the VP drafter's best token other than
-   t_{i+1}, the token the boundary score says is likely rejected; `"vp"` keeps the plain argmax (the
-   paper's rule, where a branch may repeat the spine's token and add nothing at its branch point).
+   pass (the context K/V are computed once for all rows) and fills positions i+1..γ-1. Which K
+   branches leave the spine (`branch_policy`):
+   * `"ranked"` (default): every (boundary i, token a ≠ t_{i+1}) pair is scored r(i)·q(a)/(1 - q(t_{i+1}))
+     with q the VP drafter's distribution there, and the K best are kept (`ranked_branches`), so a
+     likely rejection point, typically the root, can hold several alternatives;
+   * `"distinct"`: one branch per boundary, starting with the VP drafter's best token other than t_{i+1};
+   * `"vp"`: one branch per boundary with the VP drafter's plain argmax (the paper's rule, where a
+     branch may repeat the spine's token and add nothing at its branch point).
 4. The spine and the K branches become a token tree (shared prefixes stored once) and the target
    verifies every node in one forward with an ancestor-only mask and positions anchor + depth.
 5. The target walks the tree (`walk_tree`): exact for greedy decoding, lossless for sampling. The
@@ -33,7 +37,7 @@ from .decode import _commit, _Decoder, _Rows, lay_out
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
-BRANCH_POLICIES = ("vp", "distinct")
+BRANCH_POLICIES = ("vp", "distinct", "ranked")
 
 
 def boundary_scores(confidences: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,30 @@ def top_prefixes(confidences: torch.Tensor, k: int) -> list[int]:
     return sorted(scores.topk(k).indices.tolist())
 
 
+def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.Tensor, scores: torch.Tensor,
+                    k: int) -> list[tuple[int, int, int]]:
+    """The k best (row j, boundary i, first token) branch starts over all boundaries, best first.
+
+    A branch that leaves the spine at boundary i with token a pays off when the spine is rejected
+    there (r(i)) and a is the target's token; given the rejection, the VP drafter's belief in a is
+    q(a) / (1 - q(spine token)). Several branches may leave at one boundary; each continues with the
+    VP drafter's argmax after its first token.
+
+    Example: r = [0.8, 0.1], VP beliefs at boundary 0 beyond the spine's token 0.5, 0.3, at boundary
+    1 0.9 -> scores 0.4, 0.24, 0.09: two branches at the root before one at depth 1.
+    """
+    options = []
+    for j, i in enumerate(prefixes):
+        q = vp_logits[j, i].float().softmax(-1)
+        rest = (1 - q[spine[i]]).clamp_min(1e-6)
+        q = q.clone()
+        q[spine[i]] = 0
+        values, tokens = q.topk(k)
+        options += [(float(scores[i] * v / rest), j, i, int(t)) for v, t in zip(values, tokens)]
+    options.sort(key=lambda option: -option[0])
+    return [(j, i, t) for _, j, i, t in options[:k]]
+
+
 def _check_pair(drafter, vp_drafter) -> None:
     if vp_drafter.config.block_size != drafter.config.block_size:
         raise ValueError(
@@ -66,7 +94,7 @@ class _TreeDecoder(_Decoder):
     """The batch-1 D²SD loop; prefill is the block decoder's, with taps for both drafters."""
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
-                 num_branches: int = 4, branch_policy: str = "distinct"):
+                 num_branches: int = 4, branch_policy: str = "ranked"):
         layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids)
         self.row, self.row_ids = row, [row]
@@ -92,6 +120,11 @@ class _TreeDecoder(_Decoder):
                                                  self.ctx_pos, self.vp_cache, valid).float()  # [K, γ-1, V]
         spine_list = spine.tolist()
         candidates = [spine_list]
+        if self.branch_policy == "ranked":
+            scores = boundary_scores(confidences)
+            for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches):
+                candidates.append(spine_list[:i] + [token] + vp_logits[j, i + 1 :].argmax(-1).tolist())
+            return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
         for j, i in enumerate(prefixes):
             fill = vp_logits[j, i:].argmax(-1)
             if self.branch_policy == "distinct" and int(fill[0]) == spine_list[i]:
@@ -163,7 +196,7 @@ def tree_generate(
     cache=None,
     streamer=None,
     num_branches: int = 4,
-    branch_policy: str = "distinct",
+    branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.

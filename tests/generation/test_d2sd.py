@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
 from hf_dscale.generation import DecodeStats, custom_generate, d2sd
-from hf_dscale.generation.d2sd import boundary_scores, top_prefixes
+from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_prefixes
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import compat
 
@@ -23,6 +23,21 @@ from .test_acceptance import _pvalue
 def test_boundary_scores_worked_example():
     r = boundary_scores(torch.tensor([0.9, 0.5, 0.8]))
     assert torch.allclose(r, torch.tensor([0.1, 0.45, 0.09]))
+
+
+def test_ranked_branches_spend_branches_where_rejection_is_likely():
+    # boundary 0 (r 0.8): the VP drafter puts 0.5 on the spine's token 7, then 0.25 on 3 and 0.15 on 5;
+    # boundary 1 (r 0.1): 0.9 on token 2. Scores 0.8*0.5 = 0.4, 0.8*0.3 = 0.24, 0.1*0.9 = 0.09.
+    vocab = 10
+    probs = torch.full((2, 2, vocab), 1e-4)
+    probs[0, 0, 7], probs[0, 0, 3], probs[0, 0, 5] = 0.5, 0.25, 0.15
+    probs[1, 1, 2] = 0.9
+    spine = torch.tensor([7, 4])
+    scores = torch.tensor([0.8, 0.1])
+    chosen = ranked_branches(probs.log(), [0, 1], spine, scores, k=3)
+    assert chosen == [(0, 0, 3), (0, 0, 5), (1, 1, 2)]  # two branches at the root, one at depth 1
+    assert all(token != int(spine[i]) for _, i, token in chosen)  # never the spine's own token
+    assert ranked_branches(probs.log(), [0, 1], spine, scores, k=1) == [(0, 0, 3)]
 
 
 def test_top_prefixes_are_the_k_largest_ascending():
@@ -182,17 +197,18 @@ def _pair(target, reference, error_rate=0.3, vp_error_rate=0.0, block_size=8):
     return first, vp
 
 
-def test_greedy_identity_random_drafters(target):
+@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+def test_greedy_identity_random_drafters(target, policy):
     drafter, vp = tiny_drafter(target), tiny_drafter(target, seed=7)
     for seed, (length, new) in enumerate([(5, 17), (12, 40)]):
         ids, _ = _prompt(1, length, seed)
         plain = target.generate(ids, max_new_tokens=new, do_sample=False)
         spec = target.generate(ids, max_new_tokens=new, do_sample=False, custom_generate=custom_generate,
-                               drafter=drafter, vp_drafter=vp)
+                               drafter=drafter, vp_drafter=vp, branch_policy=policy)
         assert torch.equal(plain, spec)
 
 
-@pytest.mark.parametrize("policy", ["vp", "distinct"])
+@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
 def test_branches_recover_rejected_drafts(target, policy):
     """With errors only in the first draft, at low confidence, the branches at those boundaries carry
     the right continuation: D²SD commits far more per forward than the first drafter alone."""
