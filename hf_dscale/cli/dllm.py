@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--logits-shift", type=int, default=0, choices=[0, 1], help="0 LLaDA-style, 1 Dream-style")
+    t.add_argument("--block-fraction", type=float, default=0.0,
+                   help="fraction of rows masked as block-wise decoders see them (kept prefix, masked block, masked rest)")
     t.add_argument("--save-every", type=int, default=250)
     t.add_argument("--seed", type=int, default=0, help="the training problems drawn (use a new one when continuing)")
     t.add_argument("--init-from", default=None,
@@ -73,7 +75,8 @@ def train_main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     tokenizer.save_pretrained(args.out)
     cfg = DLLMTrainConfig(task=args.task, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                          gen_length=args.gen_length, seed=args.seed, save_every=args.save_every)
+                          gen_length=args.gen_length, seed=args.seed, block_fraction=args.block_fraction,
+                          save_every=args.save_every)
     bar = tqdm(total=args.steps, desc=f"train-dllm {args.task}", unit="step")
     on_step = training_progress(bar, args.out)
 

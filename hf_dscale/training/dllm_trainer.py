@@ -4,6 +4,11 @@ Objective (LLaDA-style): per sequence draw t ~ U(0.02, 1), mask each answer toke
 predict the masked tokens from the rest (prompt never masked, attention bidirectional), cross-entropy
 weighted by 1/t and averaged over the answer length. Answers are padded with EOS to `gen_length`, so
 the model also learns to close its answer.
+
+With `block_fraction` > 0, that fraction of the rows is masked the way block-wise decoders (Fast-dLLM,
+BlockBatch) see their input instead: the answer is cut at a random multiple of a block size B (drawn from
+4..128), tokens before the cut are kept, the block after it is masked with probability t and everything
+beyond the block is masked (weight 1 there, 1/t inside the block).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class DLLMTrainConfig:
     weight_decay: float = 0.01
     gen_length: int = 128
     seed: int = 0
+    block_fraction: float = 0.0  # rows masked as block-wise decoders see them (module docstring)
     save_every: int = 250
     keep_checkpoints: int = 2
     bf16: bool = True  # autocast; on CPUs with bf16 matrix units this is several times faster
@@ -59,15 +65,44 @@ def encode(tokenizer, problems, gen_length: int, with_answers: bool = True):
     return ids, answer_mask
 
 
-def diffusion_loss(model: DiffusionLM, ids, answer_mask, generator: torch.Generator):
+BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
+
+
+def noise_mask(answer_mask: torch.Tensor, t: torch.Tensor, generator: torch.Generator, block_fraction: float = 0.0):
+    """Which tokens to mask, and each masked token's loss weight.
+
+    answer_mask [B, L] (True on the answer, a common right-aligned region), t [B, 1]. Uniform rows mask
+    each answer token with probability t (weight 1/t); block rows (see the module docstring) keep a
+    prefix, mask the block after it with probability t (weight 1/t) and mask the rest (weight 1).
+    """
+    b, length = answer_mask.shape
+    draw = torch.rand(answer_mask.shape, generator=generator).to(answer_mask.device)
+    noise = (draw < t) & answer_mask
+    weights = (1.0 / t).expand(b, length).clone()
+    if block_fraction <= 0:
+        return noise, weights
+    g = int(answer_mask[0].sum())
+    j = torch.arange(length, device=answer_mask.device) - (length - g)  # index inside the answer
+    block_rows = torch.rand(b, generator=generator) < block_fraction
+    sizes = [s for s in BLOCK_SIZES if s <= g] or [g]
+    for row in block_rows.nonzero().flatten().tolist():
+        size = sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
+        cut = size * int(torch.randint(g // size, (1,), generator=generator))
+        in_block = (j >= cut) & (j < cut + size)
+        after = j >= cut + size
+        noise[row] = (in_block & (draw[row] < t[row])) | after
+        weights[row] = torch.where(after, torch.ones_like(weights[row]), weights[row])
+    return noise, weights
+
+
+def diffusion_loss(model: DiffusionLM, ids, answer_mask, generator: torch.Generator, block_fraction: float = 0.0):
     b = ids.shape[0]
     t = (0.02 + 0.98 * torch.rand(b, 1, generator=generator)).to(ids.device)
-    noise = (torch.rand(ids.shape, generator=generator).to(ids.device) < t) & answer_mask
+    noise, weights = noise_mask(answer_mask, t, generator, block_fraction)
     noisy = torch.where(noise, torch.full_like(ids, model.config.mask_token_id), ids)
     logits = model(noisy).logits
     ce = F.cross_entropy(logits[noise].float(), ids[noise], reduction="none")
-    weights = (1.0 / t).expand_as(ids)[noise]
-    loss = (ce * weights).sum() / answer_mask.sum()
+    loss = (ce * weights[noise]).sum() / answer_mask.sum()
     accuracy = (logits[noise].argmax(-1) == ids[noise]).float().mean()
     return loss, accuracy
 
@@ -104,7 +139,8 @@ def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig
             ids, answer_mask = encode(tokenizer, problems, cfg.gen_length)
             generator = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, accuracy = diffusion_loss(model, ids.to(device), answer_mask.to(device), generator)
+                loss, accuracy = diffusion_loss(model, ids.to(device), answer_mask.to(device), generator,
+                                                cfg.block_fraction)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

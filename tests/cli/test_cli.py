@@ -144,7 +144,7 @@ def test_train_dllm_init_from_continues_a_trained_model(tmp_path, capsys):
     assert main(["train-dllm", "--out", str(first), "--steps", "2", "--batch-size", "2", "--hidden-size", "32",
                  "--layers", "1", "--heads", "2", "--gen-length", "128"]) == 0
     assert main(["train-dllm", "--init-from", str(first), "--out", str(second), "--steps", "3", "--batch-size", "2",
-                 "--seed", "1", "--hidden-size", "64"]) == 0  # the shape flags yield to the model's config
+                 "--block-fraction", "0.5", "--seed", "1", "--hidden-size", "64"]) == 0  # the shape flags yield to the model's config
     before, after = DiffusionLM.from_pretrained(first), DiffusionLM.from_pretrained(second)
     assert after.config.hidden_size == 32 and after.config.gen_length == 128
     pairs = list(zip(before.state_dict().values(), after.state_dict().values()))
