@@ -107,13 +107,14 @@ def bench_speculative(
 
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
-               block_sizes=(4, 8, 16, 32, 64, 128), threshold: float = 0.9,
+               block_sizes=None, threshold: float = 0.9,
                on_problem: Callable[[int], None] | None = None) -> dict:
     """Decode each problem with Fast-dLLM or BlockBatch; NFE, accuracy (final number) and speed."""
-    from .generation.dllm import blockbatch_generate, fast_dllm_generate
+    from .generation.dllm import BLOCK_SIZES, blockbatch_generate, fast_dllm_generate
     from .training.dllm_tasks import final_answer
     from .training.dllm_trainer import encode
 
+    block_sizes = BLOCK_SIZES if block_sizes is None else block_sizes
     device = next(model.model.parameters()).device
     nfe, correct, tokens, seconds, queries = [], 0, 0, 0.0, 0
     full = block = 0

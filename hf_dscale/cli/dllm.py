@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
     b.add_argument("--limit", type=int, default=100)
     b.add_argument("--gen-length", type=int, default=None, help="default: the model's training gen_length")
     b.add_argument("--block-size", type=int, default=32, help="Fast-dLLM block")
-    b.add_argument("--block-sizes", default="4,8,16,32,64,128", help="BlockBatch branches (the paper's default set)")
+    b.add_argument("--block-sizes", default=None, help="BlockBatch branches, comma-separated (default: the paper's "
+                   "set, 4,8,16,32,64,128)")
     b.add_argument("--threshold", type=float, default=0.9)
     b.add_argument("--device", default="auto")
     b.add_argument("--json", default=None)
@@ -106,9 +107,10 @@ def bench_main(args) -> int:
         raise ValueError("The model's config names no task: pass --task.")
     gen_length = args.gen_length or getattr(model.config, "gen_length", None) or 256
     problems = make_problems(task, args.limit, seed=args.seed, heldout=True)
+    block_sizes = [int(x) for x in args.block_sizes.split(",")] if args.block_sizes else None  # None: the default
     bar = tqdm(total=len(problems), desc=f"bench-dllm {args.method}", unit="problem")
     report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
-                        block_sizes=[int(x) for x in args.block_sizes.split(",")], threshold=args.threshold,
+                        block_sizes=block_sizes, threshold=args.threshold,
                         on_problem=lambda i: bar.update(1))
     bar.close()
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,

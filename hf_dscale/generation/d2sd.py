@@ -72,7 +72,6 @@ def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.T
     for j, i in enumerate(prefixes):
         q = vp_logits[j, i].float().softmax(-1)
         rest = (1 - q[spine[i]]).clamp_min(1e-6)
-        q = q.clone()
         q[spine[i]] = 0
         values, tokens = q.topk(k)
         options += [(float(scores[i] * v / rest), j, i, int(t)) for v, t in zip(values, tokens)]

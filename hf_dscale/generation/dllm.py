@@ -25,6 +25,7 @@ import torch
 from ..models.dllm import DiffusionModel
 
 TOPK = 4  # token probabilities kept per position for the merge gate
+BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's default set
 
 
 @dataclass
@@ -201,7 +202,7 @@ def sync(state: _Branches, threshold: int) -> int:
 
 @torch.no_grad()
 def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256,
-                        block_sizes=(4, 8, 16, 32, 64, 128), threshold: float = 0.9, merge_gate: float = 0.5,
+                        block_sizes=BLOCK_SIZES, threshold: float = 0.9, merge_gate: float = 0.5,
                         prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None = 32,
                         exchange: bool = True, stop_early: bool = True) -> DLLMResult:
     """BlockBatch (see the module docstring); prompt [1, P].

@@ -11,14 +11,14 @@ import torch
 
 from ..models.dllm import DiffusionModel
 from .decode import lay_out
-from .dllm import blockbatch_generate, fast_dllm_generate
+from .dllm import BLOCK_SIZES, blockbatch_generate, fast_dllm_generate
 
 METHODS = ("fast-dllm", "blockbatch")
 
 
 def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
              mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
-             block_sizes=(4, 8, 16, 32, 64, 128), threshold: float = 0.9, **model_kwargs):
+             block_sizes=BLOCK_SIZES, threshold: float = 0.9, **model_kwargs):
     """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch); threshold; dllm_stats: a list
     that receives one `DLLMResult` per row (NFE counts)."""
     if dllm_method not in METHODS:

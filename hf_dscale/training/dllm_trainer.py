@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ..generation.dllm import BLOCK_SIZES
 from ..models.dllm import DiffusionLM
 from .dllm_tasks import make_problems
 from .trainer import _checkpoints, finish_checkpoint
@@ -65,9 +66,6 @@ def encode(tokenizer, problems, gen_length: int, with_answers: bool = True):
     return ids, answer_mask
 
 
-BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
-
-
 def noise_mask(answer_mask: torch.Tensor, t: torch.Tensor, generator: torch.Generator, block_fraction: float = 0.0):
     """Which tokens to mask, and each masked token's loss weight.
 
@@ -88,10 +86,9 @@ def noise_mask(answer_mask: torch.Tensor, t: torch.Tensor, generator: torch.Gene
     for row in block_rows.nonzero().flatten().tolist():
         size = sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
         cut = size * int(torch.randint(g // size, (1,), generator=generator))
-        in_block = (j >= cut) & (j < cut + size)
         after = j >= cut + size
-        noise[row] = (in_block & (draw[row] < t[row])) | after
-        weights[row] = torch.where(after, torch.ones_like(weights[row]), weights[row])
+        noise[row] = (noise[row] & (j >= cut)) | after  # the uniform draws inside the block, all after it
+        weights[row, after] = 1.0
     return noise, weights
 
 
