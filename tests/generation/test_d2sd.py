@@ -226,6 +226,38 @@ def test_branches_recover_rejected_drafts(target, policy):
     assert max(tree_stats.tree_nodes) <= 8 + 4 * 6  # spine + K branches, shared prefixes stored once
 
 
+@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+def test_vp_rows_are_the_anchor_a_spine_prefix_and_masks(target, policy):
+    """The one batched VP pass reads rows `[anchor, t_1..t_i, mask, ...]` with t the first draft."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    torch.manual_seed(0)
+    first, vp = _pair(target, plain)
+    spines, calls = [], []
+    first_logits, vp_logits = first.draft_logits, vp.block_logits
+
+    def spy_first(*args, **kwargs):
+        out = first_logits(*args, **kwargs)
+        spines.append((int(args[0][0, 0]), out[0].argmax(-1).tolist()))
+        return out
+
+    def spy_vp(block_ids, *args, **kwargs):
+        calls.append(block_ids.tolist())
+        return vp_logits(block_ids, *args, **kwargs)
+
+    first.draft_logits, vp.block_logits = spy_first, spy_vp
+    out = target.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=custom_generate,
+                          drafter=first, vp_drafter=vp, branch_policy=policy)
+    assert torch.equal(plain, out)
+    assert len(calls) == len(spines) > 1  # one VP pass per cycle
+    for (anchor, spine), rows in zip(spines, calls, strict=True):
+        assert 1 <= len(rows) <= 4
+        for row in rows:
+            i = next((k for k, t in enumerate(row[1:]) if t == MASK_ID), len(row) - 1)
+            assert row[0] == anchor and row[1 : i + 1] == spine[:i]
+            assert all(t == MASK_ID for t in row[i + 1 :]) and i < len(spine)
+
+
 @pytest.mark.parametrize("vp_error_rate", [0.0, 0.3])
 def test_greedy_identity_batched_with_processors_and_eos(vp_error_rate):
     target = tiny_target("llama", eos=5)
