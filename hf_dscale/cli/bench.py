@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..generation.d2sd import BRANCH_POLICIES
 from .common import add_model_args, emit_report, load_drafter, load_models
 
 
@@ -11,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
     p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
     p.add_argument("--num-branches", type=int, default=4, help="d2sd: VP branches per cycle (K)")
-    p.add_argument("--branch-policy", choices=["ranked", "distinct", "vp"], default="ranked",
+    p.add_argument("--branch-policy", choices=BRANCH_POLICIES, default="ranked",
                    help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
