@@ -22,6 +22,7 @@ class BenchResult:
     mismatches: list[str] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
     outputs: list[torch.Tensor] = field(default_factory=list)  # speculative sequences, per prompt
+    per_prompt: list[dict] = field(default_factory=list)  # id, new_tokens, tau, forwards, identical
 
     def to_json(self) -> dict:
         cycles = max(1, self.stats.cycles)
@@ -46,6 +47,9 @@ class BenchResult:
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
             **({"tree_tokens": round(sum(self.stats.tree_nodes) / len(self.stats.tree_nodes), 2)}
                if self.stats.tree_nodes else {}),
+            "per_prompt": self.per_prompt,
+            **({"verify_tokens": round(sum(self.stats.verified) / len(self.stats.verified), 2)}
+               if self.stats.verified else {}),
         }
 
 
@@ -97,7 +101,10 @@ def bench_speculative(
         result.method_s += t_spec
         result.stats.merge(stats)
         result.outputs.append(spec)
-        if not torch.equal(plain, spec):
+        same = torch.equal(plain, spec)
+        result.per_prompt.append({"id": name, "new_tokens": plain.shape[1] - ids.shape[1], "tau": round(stats.tau, 4),
+                                  "forwards": len(stats.committed), "identical": same})
+        if not same:
             result.identical = False
             result.mismatches.append(name)
         if on_prompt is not None:

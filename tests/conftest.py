@@ -52,7 +52,7 @@ class OracleDrafter(DScaleDrafter):
 
     oracle: list[list[int]] | None = None
     error_rate: float = 0.2
-    soft: bool = False  # True: a smooth q (for sampling tests) instead of a near one-hot
+    boost: float = 30.0  # logit added to the proposed token: 30 = a near one-hot q, a few units = a smooth one
 
     def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
         real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid)
@@ -64,7 +64,7 @@ class OracleDrafter(DScaleDrafter):
                 token = seq[pos] if pos < len(seq) else 0
                 if torch.rand(()) < self.error_rate:
                     token = int(torch.randint(0, real.shape[-1], ()))
-                logits[b, k, token] += 2.0 if self.soft else 30.0
+                logits[b, k, token] += self.boost
         return logits
 
 

@@ -36,6 +36,7 @@ def generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
+    draft_confidence: float = 0.0,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -50,6 +51,9 @@ def generate(
             the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
             starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
             drafter's argmax everywhere, as in the paper).
+        draft_confidence: verify only the head of each block whose cumulative drafter confidence is at
+            least this (0 = the whole block). Worth it where a wide verify costs more than a narrow one
+            (the CPU); output is unchanged. Single-drafter decoding only.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:
@@ -74,11 +78,15 @@ def generate(
         streamer=streamer_,
     )
     if vp_drafter is not None:
+        if draft_confidence:
+            raise ValueError("draft_confidence applies to decoding with one drafter; D²SD sizes its token tree "
+                             "with num_branches instead.")
         vp_drafter = _load_drafter(vp_drafter, model)
         sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
                                          branch_policy=branch_policy, tree_kernel=tree_kernel, **common)
     else:
-        sequences, stats = speculative_generate(model, drafter, input_ids, **common)
+        sequences, stats = speculative_generate(model, drafter, input_ids, draft_confidence=draft_confidence,
+                                                **common)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

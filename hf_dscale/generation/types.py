@@ -15,6 +15,7 @@ class DecodeStats:
 
     committed: list[int] = field(default_factory=list)
     tree_nodes: list[int] = field(default_factory=list)  # D²SD: tokens verified per target forward
+    verified: list[int] = field(default_factory=list)  # one drafter: block width per target forward
     cycles: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -27,6 +28,7 @@ class DecodeStats:
     def merge(self, other: "DecodeStats") -> None:
         self.committed += other.committed
         self.tree_nodes += other.tree_nodes
+        self.verified += other.verified
         self.cycles += other.cycles
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_dscale.cli import main
+from hf_dscale.generation.decode import MIN_DRAFTS
 
 from ..conftest import tiny_drafter, tiny_target
 from ..training.test_trainer import _tokenizer
@@ -39,6 +40,22 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert report["n_prompts"] == 2 and report["identical"] is True and report["tau"] >= 1.0
     assert set(report["stage_ms"]) == {"draft", "verify", "other"}
     assert report["command"].startswith("hf-dscale bench")
+    assert [p["id"] for p in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
+    assert all(p["identical"] and p["tau"] >= 1.0 for p in report["per_prompt"])
+    block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
+    assert report["verify_tokens"] == block_size  # no cut: every forward verifies a whole block
+
+
+def test_bench_draft_confidence_narrows_the_verified_block(folders, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--draft-confidence", "0.5",
+                 "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
+    assert report["identical"] is True and report["draft_confidence"] == 0.5
+    assert MIN_DRAFTS + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
 
 
 def test_bench_d2sd(folders, tmp_path):

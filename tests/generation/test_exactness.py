@@ -7,6 +7,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.generation.decode import MIN_DRAFTS, draft_length
 
 from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
 
@@ -162,3 +163,42 @@ def test_batched_repetition_penalty_with_left_padding():
     drafter = _oracle(target, plain, mask, 0.2)
     spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate, drafter=drafter)
     assert torch.equal(plain, spec)
+
+
+def test_draft_length_is_the_confident_head_of_the_widest_active_row():
+    def logits(*confidences):  # two-token vocabulary: top probability c >= 0.5 -> logits [log c, log(1-c)]
+        c = torch.tensor(confidences)
+        return torch.stack((c.log(), (1 - c).log()), -1)
+
+    rows = torch.stack((logits(0.9, 0.8, 0.6, 0.9, 0.9), logits(0.95, 0.95, 0.95, 0.95, 0.95)))
+    assert draft_length(rows[:1], 0.5, minimum=1) == 2  # cumulative 0.9, 0.72, 0.43 -> the third falls below
+    assert draft_length(rows[:1], 0.5) == MIN_DRAFTS == 3  # never narrower than a cheap-to-verify block
+    assert draft_length(rows, 0.5, minimum=1) == 5  # the second row keeps all five, and rows share the block
+    assert draft_length(rows, 0.5, active=[True, False], minimum=1) == 2  # a finished row does not widen it
+    assert draft_length(rows[:1], 0.95, minimum=0) == 1  # at least one draft
+    assert draft_length(rows[:, :2], 0.5) == 2  # the minimum is capped by the block
+    assert draft_length(rows, 0.0) == 5  # 0 = the whole block
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_draft_confidence_keeps_greedy_identity_and_narrows_blocks(batch):
+    target = tiny_target("llama")
+    for seed in range(2):
+        ids, mask = _prompt(batch, 8 + 3 * seed, seed)
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+        drafter = _oracle(target, plain, mask, 0.25, seed)
+        drafter.boost = 7.0  # confidences spread over (0, 1), so the cut lands anywhere in the block
+        stats = DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, draft_confidence=0.5,
+                               dscale_stats=stats)
+        assert torch.equal(plain, spec), f"seed {seed}"
+        assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
+
+
+def test_draft_confidence_is_checked():
+    target = tiny_target("llama")
+    ids, _ = _prompt(1, 6, 0)
+    with pytest.raises(ValueError, match="draft_confidence"):
+        target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=tiny_drafter(target),
+                        draft_confidence=1.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dscale.generation import custom_generate, decode
+from hf_dscale.generation import DecodeStats, custom_generate, decode
 
 from ..conftest import tiny_drafter, tiny_target
 from .test_acceptance import _broken_recovered_from_p, _pvalue
@@ -41,17 +41,29 @@ def setup():
     return target, drafter, prompt, exact
 
 
-def _custom_samples(target, drafter, prompt, rows=6000, seed=0):
+def _custom_samples(target, drafter, prompt, rows=6000, seed=0, **kwargs):
     torch.manual_seed(seed)
     ids = torch.tensor([prompt] * rows)
     out = target.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=None,
-                          custom_generate=custom_generate, drafter=drafter)
+                          custom_generate=custom_generate, drafter=drafter, **kwargs)
     return out[:, len(prompt):]
 
 
 def test_custom_generate_sampling_matches_target(setup):
     target, drafter, prompt, exact = setup
     samples = _custom_samples(target, drafter, prompt)
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
+def test_sampling_with_a_confidence_cut_matches_target(setup, monkeypatch):
+    """Blocks narrowed by `draft_confidence` (decided from q's top probabilities, never from the drawn
+    tokens) keep the target's distribution."""
+    target, drafter, prompt, exact = setup
+    monkeypatch.setattr(decode, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    stats = DecodeStats()
+    samples = _custom_samples(target, drafter, prompt, draft_confidence=0.2, seed=2, dscale_stats=stats)
+    assert max(stats.verified) < drafter.config.block_size  # the cut did narrow the blocks
     for j in range(NEW):
         assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
 
