@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     add_model_args(p, drafter_default=DEFAULT_DRAFTER)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="verify only the head of each block whose cumulative drafter confidence is at least this "
+                        "(default 0.1 on a CPU, where wide verifies cost more; 0 on a GPU = the whole block)")
     p.set_defaults(func=main)
 
 
@@ -27,10 +30,14 @@ def main(args) -> int:
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
     target, tokenizer, drafter = load_models(args)
     ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
-    result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens)
+    confidence = args.draft_confidence
+    if confidence is None:
+        confidence = 0.1 if target.device.type == "cpu" else 0.0
+    result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
     report = result.to_json()
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
-    print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward")
+    print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
+          f"({report['verify_tokens']:.1f} tokens verified per forward, draft_confidence {confidence})")
     print(f"speculative {report['tokens_per_s']:.1f} tokens/s vs plain generate() {report['baseline_tokens_per_s']:.1f} "
           f"tokens/s: speedup {report['speedup']:.2f}x; identical to plain greedy: {report['identical']}")
     return 0 if report["identical"] else 1
