@@ -80,8 +80,13 @@ def main(args) -> int:
     torch.manual_seed(args.seed)
     drafter = (DScaleDrafter.from_pretrained(args.init_from) if args.init_from else DScaleDrafter(config)).to(device)
     os.makedirs(args.out, exist_ok=True)
+    recorded = vars(args) | {"func": None}
+    if args.init_from:  # the shape comes from the starting drafter, not from the flags' defaults
+        recorded |= {"fusion": config.fusion, "num_taps": len(config.target_layer_ids),
+                     "draft_layers": config.num_hidden_layers, "block_size": config.block_size,
+                     "mask_token_id": config.mask_token_id}
     with open(os.path.join(args.out, "train_args.json"), "w") as f:
-        json.dump(vars(args) | {"func": None}, f, indent=2, default=str)
+        json.dump(recorded, f, indent=2, default=str)
     bar = tqdm(total=args.steps, desc=f"train {config.fusion}", unit="step")
     on_step = training_progress(bar, args.out)
 

@@ -106,6 +106,9 @@ def test_train_vp_drafter_from_a_drafter_then_card(folders, tmp_path):
     config = DScaleConfig.from_pretrained(out)
     first = DScaleConfig.from_pretrained(folders / "drafter")
     assert config.prefix_prior == 0.9 and config.target_layer_ids == first.target_layer_ids
+    recorded = json.loads((out / "train_args.json").read_text())  # the shape it really trained, not flag defaults
+    assert recorded["num_taps"] == len(first.target_layer_ids) and recorded["block_size"] == first.block_size
+    assert recorded["fusion"] == first.fusion and recorded["mask_token_id"] == first.mask_token_id
     start = DScaleDrafter.from_pretrained(folders / "drafter").state_dict()
     trained = DScaleDrafter.from_pretrained(out).state_dict()
     assert any(not (start[k] == trained[k]).all() for k in start)  # it trained from those weights
