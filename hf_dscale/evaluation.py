@@ -26,6 +26,8 @@ class BenchResult:
 
     def to_json(self) -> dict:
         cycles = max(1, self.stats.cycles)
+        verified = self.stats.verified
+        verify_tokens = round(sum(verified) / len(verified), 2) if verified else None
         histogram: dict[int, int] = {}
         for n in self.stats.committed:
             histogram[n] = histogram.get(n, 0) + 1
@@ -45,11 +47,9 @@ class BenchResult:
                 "other": round(1000 * self.stats.other_s / cycles, 3),
             },
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
-            **({"tree_tokens": round(sum(self.stats.tree_nodes) / len(self.stats.tree_nodes), 2)}
-               if self.stats.tree_nodes else {}),
             "per_prompt": self.per_prompt,
-            **({"verify_tokens": round(sum(self.stats.verified) / len(self.stats.verified), 2)}
-               if self.stats.verified else {}),
+            **({"verify_tokens": verify_tokens} if verify_tokens else {}),
+            **({"tree_tokens": verify_tokens} if verify_tokens and self.method == "d2sd" else {}),
         }
 
 

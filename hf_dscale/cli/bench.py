@@ -57,8 +57,8 @@ def main(args) -> int:
     target, tokenizer, drafter = load_models(args)
     extra = {"draft_confidence": args.draft_confidence} if args.draft_confidence else {}
     if args.method == "d2sd":
-        extra = dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
-                     branch_policy=args.branch_policy)
+        extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
+                      branch_policy=args.branch_policy)
     rows = read_prompts(args.prompts, args.limit)
     prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
                for row in rows]

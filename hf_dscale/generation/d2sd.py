@@ -164,7 +164,7 @@ class _TreeDecoder(_Decoder):
         output, path = walk_tree(tree, choose)
         committed = _commit(self.rows, self.row, output, torch.stack(scores), self.criteria)
         self.stats.committed.append(committed)
-        self.stats.tree_nodes.append(len(tree))
+        self.stats.verified.append(len(tree))
         if self.streamer is not None:
             self.streamer.put(torch.tensor(output[:committed]))
 

@@ -14,8 +14,7 @@ class DecodeStats:
     """
 
     committed: list[int] = field(default_factory=list)
-    tree_nodes: list[int] = field(default_factory=list)  # D²SD: tokens verified per target forward
-    verified: list[int] = field(default_factory=list)  # one drafter: block width per target forward
+    verified: list[int] = field(default_factory=list)  # tokens verified per target forward: block width or tree size
     cycles: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -27,7 +26,6 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         self.committed += other.committed
-        self.tree_nodes += other.tree_nodes
         self.verified += other.verified
         self.cycles += other.cycles
         self.draft_s += other.draft_s

@@ -67,8 +67,17 @@ def test_bench_d2sd(folders, tmp_path):
                  "--max-new-tokens", "12", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert report["method"] == "d2sd" and report["identical"] is True and report["tree_tokens"] > 1
+    assert report["method"] == "d2sd" and report["identical"] is True and report["tree_tokens"] == report["verify_tokens"] > 1
     assert set(report["stage_ms"]) == {"draft", "verify", "other"}
+
+
+def test_d2sd_with_draft_confidence_is_a_clear_error(folders, tmp_path, capsys):
+    tiny_drafter(tiny_target("qwen3"), seed=6).save_pretrained(tmp_path / "vp")
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--vp-drafter", str(tmp_path / "vp"), "--method", "d2sd", "--prompts", PROMPTS, "--limit", "1",
+                 "--max-new-tokens", "4", "--draft-confidence", "0.2"])
+    assert code == 2
+    assert "draft_confidence applies to decoding with one drafter" in capsys.readouterr().err
 
 
 def test_d2sd_without_vp_drafter_is_a_clear_error(folders, capsys):

@@ -223,7 +223,7 @@ def test_branches_recover_rejected_drafts(target, policy):
                            drafter=first, vp_drafter=vp, branch_policy=policy, dscale_stats=tree_stats)
     assert torch.equal(plain, block) and torch.equal(plain, tree)
     assert tree_stats.tau > 1.5 * block_stats.tau
-    assert max(tree_stats.tree_nodes) <= 8 + 4 * 6  # spine + K branches, shared prefixes stored once
+    assert max(tree_stats.verified) <= 8 + 4 * 6  # spine + K branches, shared prefixes stored once
 
 
 @pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
@@ -319,4 +319,4 @@ def test_hub_style_custom_generate_folder_takes_the_vp_drafter():
                            custom_generate=os.path.abspath(folder), trust_remote_code=True,
                            drafter=tiny_drafter(target), vp_drafter=tiny_drafter(target, seed=8), dscale_stats=stats)
     assert torch.equal(plain, spec)
-    assert stats.tree_nodes  # the tree path ran
+    assert stats.verified  # the tree path ran
