@@ -21,5 +21,5 @@ out = target.generate(**inputs, max_new_tokens=128, do_sample=False, custom_gene
                       drafter=drafter, vp_drafter=vp_drafter, num_branches=4, dscale_stats=stats)
 plain = target.generate(**inputs, max_new_tokens=128, do_sample=False)
 print("identical to plain generate():", torch.equal(out, plain))
-print(f"tau = {stats.tau:.2f} tokens per target forward, {sum(stats.tree_nodes) / len(stats.tree_nodes):.0f} tree tokens")
+print(f"tau = {stats.tau:.2f} tokens per target forward, {sum(stats.verified) / len(stats.verified):.0f} tree tokens")
 print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))

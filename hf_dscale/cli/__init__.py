@@ -8,13 +8,17 @@ import sys
 from . import bench, card, dllm, kernels, run, train
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (run, bench, train, card, kernels, dllm):
         module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.command_line = "hf-dscale " + " ".join(argv)  # quoted in reports next to the numbers
     try:
         return args.func(args) or 0
