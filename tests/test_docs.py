@@ -1,4 +1,4 @@
-"""The README's and examples' code stays in step with the package: names, attributes, flags."""
+"""The README's, model cards' and examples' code stays in step with the package: names, fields, flags."""
 
 import ast
 import importlib
@@ -16,11 +16,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def _blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
 PYTHON = {f"README block {i}": code for i, code in enumerate(_blocks("python"))}
+for card in sorted((ROOT / "model_cards").glob("*/README.md")):
+    PYTHON |= {f"{card.parent.name} block {i}": code for i, code in enumerate(_blocks("python", card.read_text()))}
 PYTHON |= {path.name: path.read_text() for path in sorted((ROOT / "examples").glob("*.py"))}
 SHELL = "\n".join(_blocks("bash") + [path.read_text() for path in sorted((ROOT / "examples").glob("*.sh"))])
 
@@ -42,7 +44,7 @@ def _commands(text: str) -> list[list[str]]:
 
 
 def test_the_docs_hold_code_to_check():
-    assert len(PYTHON) >= 6 and len(_commands(SHELL)) >= 5
+    assert len(PYTHON) >= 10 and len(_commands(SHELL)) >= 5
 
 
 @pytest.mark.parametrize("name", sorted(PYTHON))
