@@ -36,7 +36,8 @@ def _commands(text: str) -> list[list[str]]:
     text = re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(1)), text)
     commands = []
     for line in text.replace("\\\n", " ").splitlines():
-        for part in re.split(r"&&|\|\||;", line.split("#")[0] if line.lstrip().startswith("#") else line):
+        line = re.sub(r"(^|\s)#.*", "", line)  # comments, whole-line or trailing
+        for part in re.split(r"&&|\|\||;", line):
             words = shlex.split(part)
             if words[:1] == ["hf-dscale"]:
                 commands.append(words[1:])
@@ -47,25 +48,25 @@ def test_the_docs_hold_code_to_check():
     assert len(PYTHON) >= 10 and len(_commands(SHELL)) >= 5
 
 
-@pytest.mark.parametrize("name", sorted(PYTHON))
-def test_python_imports_and_stats_fields_exist(name):
-    tree = ast.parse(PYTHON[name])
+def _imported(name: str, tree: ast.AST) -> dict:
+    """The `from hf_dscale... import x` names of a snippet and what they are; each must exist."""
+    names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_dscale"):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 assert hasattr(module, alias.name), f"{name}: {node.module} has no {alias.name}"
+                names[alias.asname or alias.name] = getattr(module, alias.name)
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(PYTHON))
+def test_python_imports_and_stats_fields_exist(name):
+    tree = ast.parse(PYTHON[name])
+    _imported(name, tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "stats":
             assert hasattr(DecodeStats(), node.attr), f"{name}: DecodeStats has no field {node.attr}"
-
-
-def _imported(tree: ast.AST) -> dict:
-    names = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_dscale"):
-            module = importlib.import_module(node.module)
-            names |= {alias.asname or alias.name: getattr(module, alias.name, None) for alias in node.names}
-    return names
 
 
 @pytest.mark.parametrize("name", sorted(PYTHON))
@@ -73,7 +74,7 @@ def test_custom_generate_keywords_exist(name):
     from transformers import GenerationConfig
 
     tree = ast.parse(PYTHON[name])
-    imported = _imported(tree)
+    imported = _imported(name, tree)
     for node in ast.walk(tree):
         decoder = next((k.value for k in node.keywords if k.arg == "custom_generate"), None) \
             if isinstance(node, ast.Call) else None
