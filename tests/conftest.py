@@ -54,8 +54,10 @@ class OracleDrafter(DScaleDrafter):
     error_rate: float = 0.2
     boost: float = 30.0  # logit added to the proposed token: 30 = a near one-hot q, a few units = a smooth one
 
-    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
-        real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid)
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
+                     vocab=None):
+        real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid,
+                                    vocab)
         logits = torch.randn_like(real)
         for b in range(real.shape[0]):
             seq = self.oracle[b if len(self.oracle) > 1 else 0]
@@ -65,7 +67,12 @@ class OracleDrafter(DScaleDrafter):
                 if torch.rand(()) < self.error_rate:
                     token = int(torch.randint(0, real.shape[-1], ()))
                 logits[b, k, token] += self.boost
-        return logits
+        return restrict(logits, vocab)
+
+
+def restrict(logits: torch.Tensor, vocab) -> torch.Tensor:
+    """A proposal confined to a `DraftVocab` (None: the whole vocabulary), as the real drafter's is."""
+    return logits if vocab is None else logits.masked_fill(~vocab.member, float("-inf"))
 
 
 def oracle_from(sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[int]]:

@@ -69,7 +69,8 @@ def main(args) -> int:
     report = result.to_json()
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  draft_confidence=args.draft_confidence, device=str(target.device),
+                  draft_confidence=args.draft_confidence, draft_vocab_size=drafter.config.draft_vocab_size,
+                  device=str(target.device),
                   dtype=str(target.dtype))
     emit_report(report, args.json)
     if args.plot:

@@ -101,13 +101,18 @@ class _TreeDecoder(_Decoder):
         self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
         self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
+        self.vp_vocab = None
+
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        super().prefill(input_ids, valid)
+        self.vp_vocab = self.vp_drafter.draft_vocab_for(self.rows.sequence(self.row))
 
     def _candidates(self) -> tuple[TokenTree, list[int]]:
         """Steps 1-4: the spine, the boundaries and the VP branches, as a token tree."""
         valid = None if bool(self.valid.all()) else self.valid
         anchor = self.anchors[:, None]
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
-                                           self.dcache, valid)[0].float()
+                                           self.dcache, valid, self.vocab)[0].float()
         confidences, spine = logits.softmax(-1).max(-1)  # [γ-1]
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
@@ -116,7 +121,7 @@ class _TreeDecoder(_Decoder):
         for j, i in enumerate(prefixes):
             rows[j, 1 : i + 1] = spine[:i]
         vp_logits = self.vp_drafter.block_logits(rows, self.anchor_pos, self.taps[:, :, self.vp_tap_index],
-                                                 self.ctx_pos, self.vp_cache, valid).float()  # [K, γ-1, V]
+                                                 self.ctx_pos, self.vp_cache, valid, self.vp_vocab).float()  # [K, γ-1, V]
         spine_list = spine.tolist()
         candidates = [spine_list]
         if self.branch_policy == "ranked":
@@ -168,6 +173,9 @@ class _TreeDecoder(_Decoder):
         if self.streamer is not None:
             self.streamer.put(torch.tensor(output[:committed]))
 
+        for vocab in (self.vocab, self.vp_vocab):
+            if vocab is not None:
+                vocab.add(torch.tensor(output[:committed], device=device))
         n = len(path)
         compat.keep_tree_path(self.cache, start, path)
         self.valid = torch.cat((self.valid, self.valid.new_ones(1, n)), dim=1)

@@ -96,9 +96,9 @@ def _process(logits: torch.Tensor, rows: _Rows, block: torch.Tensor | None, proc
     return out
 
 
-def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, processors, do_sample):
+def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, processors, do_sample, vocab=None):
     """Draft ids [B, K] and the drafter's processed logits [B, K, V] (the q they were drawn from)."""
-    logits = drafter.draft_logits(anchors[:, None], taps, anchor_pos, ctx_pos, dcache, valid)
+    logits = drafter.draft_logits(anchors[:, None], taps, anchor_pos, ctx_pos, dcache, valid, vocab)
     if not processors and not do_sample:
         return choose_tokens(logits, anchors[:, None])
     picked = [
@@ -108,10 +108,11 @@ def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, pro
     return torch.cat([t for t, _ in picked]), torch.cat([s for _, s in picked])
 
 
-# A block narrower than 4 tokens is no cheaper to verify on a CPU: BLAS runs a 2- or 3-row matmul as
-# that many matrix-vector products (SmolLM2 forward with a 300-token cache, 2 cores: 39 / 65 / 80 / 60 /
-# 71 ms for 1 / 2 / 3 / 4 / 16 new tokens), so a cut keeps at least this many drafts.
-MIN_DRAFTS = 3
+# A narrow block is no cheaper to verify on a CPU: BLAS runs a 2- or 3-row matmul as that many
+# matrix-vector products, and 5 rows happen to be cheapest of all (SmolLM2 forward with a 300-token cache,
+# 2 cores, medians of 12: 42 / 62 / 58 / 61 / 64 ms for 1 / 4 / 5 / 6 / 8 new tokens; 65 and 80 ms for 2
+# and 3), so a cut keeps at least this many drafts (5 tokens with the anchor).
+MIN_DRAFTS = 4
 
 
 def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | None = None,
@@ -159,6 +160,7 @@ class _Decoder:
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
         self.recorder = TapRecorder(target, layer_ids or drafter.config.target_layer_ids)
         self.stats = DecodeStats()
+        self.vocab = None  # the drafter's proposal set (`DraftVocab`), built at prefill
         self.row_ids = list(range(rows.prompt.shape[0]))  # the rows this decoder advances, in batch order
         # Moving state: valid [B, C] over cache columns; each row's anchor (last committed token, not yet
         # run through the target) and its position; the taps [B, S, T, H] the drafter has not ingested yet
@@ -178,6 +180,7 @@ class _Decoder:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
             self.streamer.put(first.cpu())
+        self.vocab = self.drafter.draft_vocab_for(torch.cat((input_ids, first[:, None]), dim=1))
         self.valid, self.anchors, self.anchor_pos = valid, first, valid.sum(-1)
         self.taps, self.ctx_pos = self.recorder.taps(), positions
         self.stats.other_s += time.perf_counter() - t0
@@ -187,7 +190,8 @@ class _Decoder:
         b = self.anchors.shape[0]
         t0 = time.perf_counter()
         draft_ids, q_logits = _draft(self.drafter, self.rows, self.anchors, self.taps, self.anchor_pos,
-                                     self.ctx_pos, self.dcache, self.valid, self.processors, self.do_sample)
+                                     self.ctx_pos, self.dcache, self.valid, self.processors, self.do_sample,
+                                     self.vocab)
         n = draft_length(q_logits, self.draft_confidence, [not f for f in self.rows.finished])
         draft_ids, q_logits = draft_ids[:, :n], q_logits[:, :n]
         gamma = n + 1  # the verified block: anchor + n drafts
@@ -214,6 +218,8 @@ class _Decoder:
             self.stats.committed.append(committed)
             if self.streamer is not None:
                 self.streamer.put(output_ids[i, :committed].cpu())
+            if self.vocab is not None:
+                self.vocab.add(output_ids[i, :committed])
             new_valid[i, :n] = True  # the anchor and the accepted drafts; the rest become holes
             width = max(width, n)
 

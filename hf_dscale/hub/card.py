@@ -36,6 +36,14 @@ def _intro(config, target_name: str) -> str:
     )
 
 
+def _draft_vocab_row(config) -> str:
+    size = getattr(config, "draft_vocab_size", None)
+    if not size:
+        return ""
+    return (f"| draft vocabulary | {size:,} of the {config.vocab_size:,} target tokens, the most frequent in the training "
+            "answers, plus each generation's own tokens (verification uses the whole vocabulary) |\n")
+
+
 def _usage(config, name: str, target_name: str) -> str:
     if getattr(config, "prefix_prior", None) is not None:
         return f"""```python
@@ -109,7 +117,7 @@ tags:
 | target layers tapped | {list(config.target_layer_ids)} (id = output of decoder layer id = `hidden_states[id + 1]`) |
 | block size | {config.block_size} (anchor + {config.block_size - 1} drafts) |
 | mask token id | {config.mask_token_id} |
-
+{_draft_vocab_row(config)}
 ## Usage
 
 {_usage(config, name, target_name)}

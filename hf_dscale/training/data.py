@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..models.dscale.assistant import TapRecorder
@@ -197,3 +198,20 @@ def iter_samples(folder: str) -> Iterator[Sample]:
     """Every finished sample of a data folder, shard by shard."""
     for name in shard_names(folder):
         yield from read_shard(folder, name)
+
+
+def frequent_tokens(folder: str, size: int) -> torch.Tensor:
+    """The `size` response tokens seen most often in a data folder, most frequent first (ties: lower id first).
+
+    Only tokens that occur are listed, so a small folder yields fewer than `size`. This is the
+    drafter's `draft_vocab` (see `DScaleDrafter.set_draft_vocab`).
+    """
+    ids = []
+    for name in shard_names(folder):
+        with safe_open(os.path.join(folder, name + ".safetensors"), "pt") as shard:
+            ids.append(shard.get_tensor("input_ids").long()[shard.get_tensor("loss_mask").bool()])
+    if not sum(t.numel() for t in ids):
+        raise ValueError(f"{folder} has no response tokens to rank.")
+    counts = torch.bincount(torch.cat(ids))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: min(size, int((counts > 0).sum()))]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..models import DScaleDrafter
-from .data import Sample, load_meta, read_shard, shard_names
+from .data import Sample, frequent_tokens, load_meta, read_shard, shard_names
 from .losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 
@@ -40,6 +40,7 @@ class TrainConfig:
     seed: int = 0
     mixed_precision: str = "no"  # "bf16" on GPUs
     vp_beta: float | None = None  # set (e.g. 0.9) to train a variable-prefix drafter
+    draft_vocab: int = 8192  # the drafter proposes from the data's most frequent tokens (0 = the whole vocabulary)
 
 
 class SampleStream:
@@ -147,6 +148,8 @@ def train_drafter(
 
     drafter.bind_target(target)
     drafter.config.prefix_prior = cfg.vp_beta  # marks a variable-prefix (D²SD second) drafter in its config
+    # Only decoding reads the draft vocab; training scores the whole vocabulary.
+    drafter.set_draft_vocab(frequent_tokens(data_dir, cfg.draft_vocab) if cfg.draft_vocab else None)
     for p in target.parameters():
         p.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -157,7 +160,9 @@ def train_drafter(
     checkpoints = _checkpoints(out_dir)
     if checkpoints:
         state = torch.load(os.path.join(checkpoints[-1], "trainer_state.pt"), weights_only=False)
-        drafter.load_state_dict(DScaleDrafter.from_pretrained(checkpoints[-1]).state_dict())
+        saved = DScaleDrafter.from_pretrained(checkpoints[-1])
+        drafter.set_draft_vocab(saved.draft_vocab)  # the run's own, even if the data folder has grown since
+        drafter.load_state_dict(saved.state_dict())
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]

@@ -38,6 +38,9 @@ class DScaleConfig(PretrainedConfig):
         vocab_size: the target's vocabulary size (the drafter borrows its LM head).
         prefix_prior: β of the truncated geometric prior over prefix lengths that a variable-prefix
             drafter (D²SD's second drafter) was trained with; None for a plain block drafter.
+        draft_vocab_size: length of the drafter's `draft_vocab` buffer, the target tokens it proposes
+            from (most frequent in its training data first; each generation adds the tokens of its own
+            sequences). None = the whole vocabulary. Verification always uses the whole vocabulary.
     """
 
     model_type = "dscale"
@@ -64,6 +67,7 @@ class DScaleConfig(PretrainedConfig):
         loss_decay_gamma: float = 7.0,
         target_model_type: str | None = None,
         prefix_prior: float | None = None,
+        draft_vocab_size: int | None = None,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -86,6 +90,7 @@ class DScaleConfig(PretrainedConfig):
         self.loss_decay_gamma = loss_decay_gamma
         self.target_model_type = target_model_type
         self.prefix_prior = prefix_prior
+        self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -119,6 +124,11 @@ class DScaleConfig(PretrainedConfig):
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}).")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}], or None for "
+                "the whole vocabulary."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads.")
 

@@ -13,7 +13,7 @@ from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_pref
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import compat
 
-from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
+from ..conftest import MASK_ID, OracleDrafter, oracle_from, restrict, tiny_drafter, tiny_target
 from .test_exactness import _prompt
 from .test_sampling_end_to_end import NEW, TEMPERATURE, setup  # noqa: F401  (module fixture)
 from .test_acceptance import _pvalue
@@ -157,9 +157,10 @@ def test_tree_forward_and_kept_path_match_plain_forwards(kind):
 class _ConfidentOracle(OracleDrafter):
     """An oracle first drafter whose wrong tokens come with low confidence (as a calibrated drafter's)."""
 
-    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
+                     vocab=None):
         real = DScaleDrafter.draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache,
-                                          context_valid)  # the real forward keeps the caches honest
+                                          context_valid, vocab)  # the real forward keeps the caches honest
         logits = torch.zeros_like(real)
         seq = self.oracle[0]
         for k in range(real.shape[1]):
@@ -169,14 +170,16 @@ class _ConfidentOracle(OracleDrafter):
                 logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 1.0  # wrong and unsure
             else:
                 logits[0, k, right] += 30.0
-        return logits
+        return restrict(logits, vocab)
 
 
 class _OracleVP(OracleDrafter):
     """An oracle variable-prefix drafter: fills every row's masked positions with the reference."""
 
-    def block_logits(self, block_ids, anchor_positions, taps, context_position_ids, cache, context_valid=None):
-        real = super().block_logits(block_ids, anchor_positions, taps, context_position_ids, cache, context_valid)
+    def block_logits(self, block_ids, anchor_positions, taps, context_position_ids, cache, context_valid=None,
+                     vocab=None):
+        real = super().block_logits(block_ids, anchor_positions, taps, context_position_ids, cache, context_valid,
+                                    vocab)
         logits = torch.zeros_like(real)
         seq = self.oracle[0]
         for r in range(real.shape[0]):
@@ -186,7 +189,7 @@ class _OracleVP(OracleDrafter):
                 if torch.rand(()) < self.error_rate:
                     token = int(torch.randint(0, real.shape[-1], ()))
                 logits[r, k, token] += 30.0
-        return logits
+        return restrict(logits, vocab)
 
 
 def _pair(target, reference, error_rate=0.3, vp_error_rate=0.0, block_size=8):

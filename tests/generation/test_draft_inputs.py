@@ -21,8 +21,10 @@ from .test_exactness import _prompt
 class RecordingDrafter(DScaleDrafter):
     calls: list
 
-    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None):
-        logits = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid)
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
+                     vocab=None):
+        logits = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid,
+                                      vocab)
         self.calls.append((anchor_ids[:, 0].clone(), anchor_positions.clone(), logits.clone()))
         return logits
 

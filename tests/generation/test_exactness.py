@@ -172,7 +172,7 @@ def test_draft_length_is_the_confident_head_of_the_widest_active_row():
 
     rows = torch.stack((logits(0.9, 0.8, 0.6, 0.9, 0.9), logits(0.95, 0.95, 0.95, 0.95, 0.95)))
     assert draft_length(rows[:1], 0.5, minimum=1) == 2  # cumulative 0.9, 0.72, 0.43 -> the third falls below
-    assert draft_length(rows[:1], 0.5) == MIN_DRAFTS == 3  # never narrower than a cheap-to-verify block
+    assert draft_length(rows[:1], 0.5) == MIN_DRAFTS == 4  # never narrower than a cheap-to-verify block
     assert draft_length(rows, 0.5, minimum=1) == 5  # the second row keeps all five, and rows share the block
     assert draft_length(rows, 0.5, active=[True, False], minimum=1) == 2  # a finished row does not widen it
     assert draft_length(rows[:1], 0.95, minimum=0) == 1  # at least one draft

@@ -86,3 +86,15 @@ def test_assistant_model_sampling_matches_target(setup):
     ])
     for j in range(NEW):
         assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
+def test_sampling_with_a_draft_vocab_matches_target(setup):
+    """q is zero outside the draft vocab; the target's mass there comes back through the residual."""
+    target, _, prompt, exact = setup
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.set_draft_vocab([4])  # with the prompt's tokens 1, 2, 3, 5, 6: tokens 0 and 7 are never drafted
+    outside = torch.tensor([0, 7])
+    assert all(float(m[outside].sum()) > 0.05 for m in exact)  # the check covers that mass
+    samples = _custom_samples(target, drafter, prompt, seed=3)
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"

@@ -11,7 +11,12 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_dscale import DScaleDrafter
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.training.data import generate_data, iter_samples, load_meta
+from hf_dscale.training.data import (
+    frequent_tokens,
+    generate_data,
+    iter_samples,
+    load_meta,
+)
 from hf_dscale.training.trainer import TrainConfig, train_drafter
 
 from ..conftest import VOCAB, tiny_drafter, tiny_target
@@ -75,12 +80,24 @@ def test_training_learns_and_the_result_decodes_exactly(data, tmp_path):
     first, last = sum(history[:5]) / 5, sum(history[-5:]) / 5
     assert first > 4.0 and last < first - 0.5  # from chance level (ln 96 = 4.56) to clearly below it
     loaded = DScaleDrafter.from_pretrained(tmp_path / "run")
+    assert torch.equal(loaded.draft_vocab, frequent_tokens(folder, TrainConfig().draft_vocab))
     ids = torch.tensor([[5, 9, 11, 4, 7, 30]])
     plain = target.generate(ids, max_new_tokens=20, do_sample=False)
     stats = DecodeStats()
     spec = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=custom_generate,
                            drafter=loaded, dscale_stats=stats)
     assert torch.equal(plain, spec)
+
+
+def test_frequent_tokens_rank_the_response_tokens(data):
+    _, folder = data
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for sample in iter_samples(folder):
+        counts += torch.bincount(sample.input_ids[sample.loss_mask], minlength=VOCAB)
+    ranked = frequent_tokens(folder, VOCAB)
+    assert set(ranked.tolist()) == set(counts.nonzero()[:, 0].tolist())  # every answer token, no prompt-only one
+    assert bool((counts[ranked][:-1] >= counts[ranked][1:]).all())
+    assert torch.equal(frequent_tokens(folder, 5), ranked[:5])
 
 
 def test_resume_continues_exactly_where_it_stopped(data, tmp_path):

@@ -90,6 +90,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.cache = DraftContextCache(drafter.config.num_hidden_layers)
         self.context_len = 0  # sequence positions whose features the drafter has ingested
         self.covered_end: int | None = None  # sequence length at the end of the target's latest forward
+        self.vocab = None  # the drafter's proposal set (`DraftVocab`), built at the first block
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **unused):
@@ -108,12 +109,17 @@ class DScaleCandidateGenerator(CandidateGenerator):
                 raise RuntimeError("The target's hidden states for the accepted tokens were not captured.")
             new = taps[:, self.context_len - first : length - 1 - first]
             device = drafter.norm.weight.device
+            if self.vocab is None:  # stays None for a drafter without a draft vocab (then this is free)
+                self.vocab = drafter.draft_vocab_for(input_ids.to(device))
+            else:
+                self.vocab.add(input_ids[:, self.context_len :].to(device))
             logits = drafter.draft_logits(
                 input_ids[:, -1:].to(device),
                 new.to(device),
                 torch.tensor([length - 1], device=device),
                 torch.arange(self.context_len, length - 1, device=device)[None],
                 self.cache,
+                vocab=self.vocab,
             )
             self.context_len = length - 1
             do_sample = bool(getattr(self.generation_config, "do_sample", False))
