@@ -235,12 +235,14 @@ class DraftVocab:
         self.member[new] = True
         end = self.size + new.numel()
         if end > self._ids.numel():  # grow with room for the tokens a generation adds, copying rarely
-            room = end + 512
-            self._ids = torch.cat((self.ids, self._ids.new_empty(room - self.size)))
-            self._weight = torch.cat((self._weight[: self.size], self._weight.new_empty(room - self.size,
-                                                                                        self._weight.shape[1])))
+            extra = end + 512 - self.size
+
+            def grow(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat((t[: self.size], t.new_empty(extra, *t.shape[1:])))
+
+            self._ids, self._weight = grow(self._ids), grow(self._weight)
             if self._bias is not None:
-                self._bias = torch.cat((self._bias[: self.size], self._bias.new_empty(room - self.size)))
+                self._bias = grow(self._bias)
         self._ids[self.size : end] = new
         self._weight[self.size : end] = self._head.weight[new]
         if self._bias is not None:
