@@ -17,8 +17,9 @@ def add_parser(sub) -> None:
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
-                   help="dscale: verify only the head of each block whose cumulative drafter confidence is at "
-                        "least this (0 = the whole block; try 0.1-0.3 on a CPU, where wide verifies cost more)")
+                   help="verify only the head of each block whose cumulative drafter confidence is at least this "
+                        "(0 = the whole block; d2sd: the token tree's depth; try 0.1-0.3 on a CPU, where wide "
+                        "verifies cost more)")
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)

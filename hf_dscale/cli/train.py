@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the drafter proposes from this many of the data's most frequent tokens plus each sequence's "
                         "own (a faster draft; verification is unchanged); 0 = the whole vocabulary")
+    p.add_argument("--full-vocab-loss", action="store_true",
+                   help="score the whole vocabulary in the loss (default: the draft vocabulary plus each sequence's "
+                        "own tokens, what decoding proposes from; about 3x cheaper on a CPU)")
     p.add_argument("--init-from", default=None,
                    help="start from this drafter's weights (its config wins over the shape flags above)")
     p.add_argument("--seed", type=int, default=0)
@@ -80,7 +83,7 @@ def main(args) -> int:
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, num_anchors=args.num_anchors,
                       save_every=args.save_every, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta,
-                      draft_vocab=args.draft_vocab)
+                      draft_vocab=args.draft_vocab, full_vocab_loss=args.full_vocab_loss)
     torch.manual_seed(args.seed)
     drafter = (DScaleDrafter.from_pretrained(args.init_from) if args.init_from else DScaleDrafter(config)).to(device)
     os.makedirs(args.out, exist_ok=True)

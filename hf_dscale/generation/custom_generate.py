@@ -52,8 +52,9 @@ def generate(
             starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
             drafter's argmax everywhere, as in the paper).
         draft_confidence: verify only the head of each block whose cumulative drafter confidence is at
-            least this (0 = the whole block). Worth it where a wide verify costs more than a narrow one
-            (the CPU); output is unchanged. Single-drafter decoding only.
+            least this (0 = the whole block); with `vp_drafter`, every path of the token tree stops at
+            that depth. Worth it where a wide verify costs more than a narrow one (the CPU); output is
+            unchanged.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:
@@ -78,12 +79,10 @@ def generate(
         streamer=streamer_,
     )
     if vp_drafter is not None:
-        if draft_confidence:
-            raise ValueError("draft_confidence applies to decoding with one drafter; D²SD sizes its token tree "
-                             "with num_branches instead.")
         vp_drafter = _load_drafter(vp_drafter, model)
         sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
-                                         branch_policy=branch_policy, tree_kernel=tree_kernel, **common)
+                                         branch_policy=branch_policy, tree_kernel=tree_kernel,
+                                         draft_confidence=draft_confidence, **common)
     else:
         sequences, stats = speculative_generate(model, drafter, input_ids, draft_confidence=draft_confidence,
                                                 **common)

@@ -21,6 +21,13 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
 5. The target walks the tree (`walk_tree`): exact for greedy decoding, lossless for sampling. The
    target cache keeps only the accepted path's K/V and both drafters read that path's hidden states
    as their next context.
+
+With `draft_confidence` c > 0 every path of the tree stops at the depth where the first drafter's
+cumulative confidence falls below c (at least `MIN_DRAFTS`, as in single-drafter decoding): boundaries
+are picked inside that head and branches end there too. Where a wide verify costs more than a narrow one
+(a CPU), a tree of about 5 + K·5 tokens instead of about 16 + K·12 keeps most of D²SD's gain, which
+lies in the first few positions. The depth comes from confidences, never from drawn tokens, so
+sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from ..kernels.hf_attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
-from .decode import _commit, _Decoder, _Rows, lay_out
+from .decode import _commit, _Decoder, _Rows, draft_length, lay_out
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -93,11 +100,12 @@ class _TreeDecoder(_Decoder):
     """The batch-1 D²SD loop; prefill is the block decoder's, with taps for both drafters."""
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
-                 num_branches: int = 4, branch_policy: str = "ranked"):
+                 num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0):
         layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids)
         self.row, self.row_ids = row, [row]
         self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
+        self.draft_confidence = draft_confidence
         self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
         self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
@@ -113,7 +121,8 @@ class _TreeDecoder(_Decoder):
         anchor = self.anchors[:, None]
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
                                            self.dcache, valid, self.vocab)[0].float()
-        confidences, spine = logits.softmax(-1).max(-1)  # [γ-1]
+        depth = draft_length(logits[None], self.draft_confidence)  # drafts on every path of the tree
+        confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
         rows = spine.new_full((len(prefixes), gamma), self.vp_drafter.config.mask_token_id)
@@ -127,13 +136,13 @@ class _TreeDecoder(_Decoder):
         if self.branch_policy == "ranked":
             scores = boundary_scores(confidences)
             for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches):
-                candidates.append(spine_list[:i] + [token] + vp_logits[j, i + 1 :].argmax(-1).tolist())
+                candidates.append(spine_list[:i] + [token] + vp_logits[j, i + 1 : depth].argmax(-1).tolist())
             return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
         for j, i in enumerate(prefixes):
-            fill = vp_logits[j, i:].argmax(-1)
+            fill = vp_logits[j, i:depth].argmax(-1)
             if self.branch_policy == "distinct" and int(fill[0]) == spine_list[i]:
                 second = vp_logits[j, i].topk(2).indices[1]
-                fill = torch.cat((second[None], vp_logits[j, i + 1 :].argmax(-1)))
+                fill = torch.cat((second[None], vp_logits[j, i + 1 : depth].argmax(-1)))
             candidates.append(spine_list[:i] + fill.tolist())
         return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
 
@@ -205,6 +214,7 @@ def tree_generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
+    draft_confidence: float = 0.0,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
@@ -212,11 +222,14 @@ def tree_generate(
     `generate()` lays them out (left padding kept, finished rows padded with `pad_token_id`).
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
+    `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring).
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
+    if not 0.0 <= draft_confidence < 1.0:
+        raise ValueError(f"draft_confidence must be in [0, 1) (0 = the whole block), got {draft_confidence}.")
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(
@@ -236,21 +249,21 @@ def tree_generate(
         target.set_attn_implementation(register_tree_attention())
     try:
         return _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria,
-                            do_sample, pad_token_id, cache, streamer, num_branches, branch_policy)
+                            do_sample, pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence)
     finally:
         if tree_kernel:
             target.set_attn_implementation(attn)
 
 
 def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria, do_sample,
-                 pad_token_id, cache, streamer, num_branches, branch_policy):
+                 pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence):
     b = input_ids.shape[0]
     stats = DecodeStats()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
     for i in range(b):
         row_cache = cache if (b == 1 and cache is not None) else compat.new_cache(target)
         decoder = _TreeDecoder(target, drafter, vp_drafter, rows, i, row_cache, logits_processor, stopping_criteria,
-                               do_sample, streamer, num_branches, branch_policy)
+                               do_sample, streamer, num_branches, branch_policy, draft_confidence)
         try:
             decoder.prefill(input_ids[i : i + 1], valid[i : i + 1])  # left padding stays masked, as in generate()
             while not rows.finished[i]:

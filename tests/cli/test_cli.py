@@ -71,13 +71,19 @@ def test_bench_d2sd(folders, tmp_path):
     assert set(report["stage_ms"]) == {"draft", "verify", "other"}
 
 
-def test_d2sd_with_draft_confidence_is_a_clear_error(folders, tmp_path, capsys):
+def test_bench_d2sd_draft_confidence_shrinks_the_tree(folders, tmp_path):
     tiny_drafter(tiny_target("qwen3"), seed=6).save_pretrained(tmp_path / "vp")
-    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
-                 "--vp-drafter", str(tmp_path / "vp"), "--method", "d2sd", "--prompts", PROMPTS, "--limit", "1",
-                 "--max-new-tokens", "4", "--draft-confidence", "0.2"])
-    assert code == 2
-    assert "draft_confidence applies to decoding with one drafter" in capsys.readouterr().err
+    reports = []
+    for confidence in ("0", "0.2"):
+        out = tmp_path / f"d2sd-{confidence}.json"
+        code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                     "--vp-drafter", str(tmp_path / "vp"), "--method", "d2sd", "--prompts", PROMPTS, "--limit", "1",
+                     "--max-new-tokens", "10", "--draft-confidence", confidence, "--json", str(out)])
+        assert code == 0
+        reports.append(json.loads(out.read_text()))
+    full, capped = reports
+    assert full["identical"] and capped["identical"] and capped["draft_confidence"] == 0.2
+    assert capped["tree_tokens"] < full["tree_tokens"]
 
 
 def test_d2sd_without_vp_drafter_is_a_clear_error(folders, capsys):
@@ -108,7 +114,8 @@ def test_train_vp_drafter_from_a_drafter_then_card(folders, tmp_path):
     data, out = tmp_path / "data", tmp_path / "vp"
     code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),
                  "--out", str(out), "--init-from", str(folders / "drafter"), "--vp-beta", "0.9",
-                 "--max-new-tokens", "8", "--steps", "2", "--num-anchors", "4", "--grad-accum", "1"])
+                 "--max-new-tokens", "8", "--steps", "2", "--num-anchors", "4", "--grad-accum", "1",
+                 "--full-vocab-loss"])  # this word-level tokenizer reads the prompts as one token: a 1-token draft vocab
     assert code == 0
     from hf_dscale import DScaleConfig, DScaleDrafter
 

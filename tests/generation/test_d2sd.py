@@ -8,8 +8,9 @@ import torch
 from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
-from hf_dscale.generation import DecodeStats, custom_generate, d2sd
+from hf_dscale.generation import DecodeStats, custom_generate, d2sd, decode
 from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_prefixes
+from hf_dscale.generation.decode import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import compat
 
@@ -261,6 +262,49 @@ def test_vp_rows_are_the_anchor_a_spine_prefix_and_masks(target, policy):
             assert all(t == MASK_ID for t in row[i + 1 :]) and i < len(spine)
 
 
+def _record_trees(monkeypatch) -> list[list[list[int]]]:
+    """Every cycle's candidate paths (spine first), as D²SD hands them to TokenTree."""
+    trees = []
+
+    class Recording(TokenTree):
+        @classmethod
+        def from_candidates(cls, anchor, candidates):
+            trees.append(candidates)
+            return super().from_candidates(anchor, candidates)
+
+    monkeypatch.setattr(d2sd, "TokenTree", Recording)
+    return trees
+
+
+@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+def test_draft_confidence_caps_every_path_at_the_confident_head(target, policy, monkeypatch):
+    """With `draft_confidence`, the spine and every branch end at the first drafter's confident head
+    (at least MIN_DRAFTS); branches inside it still fix low-confidence errors, and output is unchanged."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+    torch.manual_seed(0)
+    first, vp = _pair(target, plain)  # 7 drafts per block; wrong drafts come with low confidence
+    heads, draft_logits = [], first.draft_logits
+
+    def spy(*args, **kwargs):
+        out = draft_logits(*args, **kwargs)
+        heads.append(draft_length(out, 0.5))
+        return out
+
+    first.draft_logits = spy
+    trees = _record_trees(monkeypatch)
+    block_stats, tree_stats = DecodeStats(), DecodeStats()
+    kw = dict(max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=first, draft_confidence=0.5)
+    tree = target.generate(ids, **kw, vp_drafter=vp, branch_policy=policy, dscale_stats=tree_stats)
+    assert torch.equal(plain, tree)
+    assert len(heads) == len(trees) > 1 and min(heads) == decode.MIN_DRAFTS and max(heads) > decode.MIN_DRAFTS
+    for head, candidates in zip(heads, trees, strict=True):
+        assert all(len(path) == head for path in candidates)
+    block = target.generate(ids, **kw, dscale_stats=block_stats)
+    assert torch.equal(plain, block)
+    assert tree_stats.tau > block_stats.tau  # branches still recover errors inside the head
+
+
 @pytest.mark.parametrize("vp_error_rate", [0.0, 0.3])
 def test_greedy_identity_batched_with_processors_and_eos(vp_error_rate):
     target = tiny_target("llama", eos=5)
@@ -286,11 +330,11 @@ def test_rejects_mismatched_block_sizes_and_flash_attention(target):
                         vp_drafter=tiny_drafter(target), branch_policy="best")
 
 
-def _tree_samples(target, drafter, vp, prompt, rows=1500, seed=0):
+def _tree_samples(target, drafter, vp, prompt, rows=1500, seed=0, **kwargs):
     torch.manual_seed(seed)
     ids = torch.tensor([prompt] * rows)
     out = target.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=None, top_p=None,
-                          custom_generate=custom_generate, drafter=drafter, vp_drafter=vp)
+                          custom_generate=custom_generate, drafter=drafter, vp_drafter=vp, **kwargs)
     return out[:, len(prompt):]
 
 
@@ -298,6 +342,17 @@ def test_sampling_through_generate_matches_target(setup):  # noqa: F811
     target, drafter, prompt, exact = setup
     vp = tiny_drafter(target, block_size=4, seed=9)
     samples = _tree_samples(target, drafter, vp, prompt)
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
+def test_sampling_with_a_capped_tree_matches_target(setup, monkeypatch):  # noqa: F811
+    target, drafter, prompt, exact = setup
+    monkeypatch.setattr(decode, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    vp = tiny_drafter(target, block_size=4, seed=9)
+    trees = _record_trees(monkeypatch)
+    samples = _tree_samples(target, drafter, vp, prompt, seed=3, draft_confidence=0.2)
+    assert min(len(paths[0]) for paths in trees) < 3  # the cap did shorten trees
     for j in range(NEW):
         assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
 

@@ -4,7 +4,7 @@
                     drafter=drafter, max_new_tokens=256)
 
 Add `vp_drafter=<variable-prefix drafter>` for D²SD (token-tree verification; `num_branches`,
-`branch_policy` and `tree_kernel` pass through as well).
+`branch_policy`, `tree_kernel` and `draft_confidence` pass through as well).
 
 transformers calls `generate(model=target, **all generate() arguments)`; we run `generate()` again with
 hf_dscale's decode loop plugged in, so that logits processors and stopping criteria are prepared as usual.
