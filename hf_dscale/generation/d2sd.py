@@ -24,9 +24,9 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
 
 With `draft_confidence` c > 0 every path of the tree stops at the depth where the first drafter's
 cumulative confidence falls below c (at least `MIN_DRAFTS`, as in single-drafter decoding): boundaries
-are picked inside that head and branches end there too. Where a wide verify costs more than a narrow one
-(a CPU), a tree of about 5 + K·5 tokens instead of about 16 + K·12 keeps most of D²SD's gain, which
-lies in the first few positions. The depth comes from confidences, never from drawn tokens, so
+are picked inside that head and branches end there too. That is for hardware where a wide verify costs
+more than a narrow one (a CPU): on SmolLM2 with K = 2 the tree holds about 12 tokens instead of 73 and
+keeps about half of D²SD's τ gain. The depth comes from confidences, never from drawn tokens, so
 sampling stays lossless.
 """
 
