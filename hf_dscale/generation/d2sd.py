@@ -40,7 +40,7 @@ from ..kernels.hf_attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
-from .decode import _commit, _Decoder, _Rows, draft_length, lay_out
+from .decode import _commit, _Decoder, _Rows, check_draft_confidence, draft_length, lay_out
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -102,10 +102,10 @@ class _TreeDecoder(_Decoder):
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
                  num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0):
         layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
-        super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids)
+        super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids,
+                         draft_confidence)
         self.row, self.row_ids = row, [row]
         self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
-        self.draft_confidence = draft_confidence
         self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
         self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
@@ -228,8 +228,7 @@ def tree_generate(
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
-    if not 0.0 <= draft_confidence < 1.0:
-        raise ValueError(f"draft_confidence must be in [0, 1) (0 = the whole block), got {draft_confidence}.")
+    check_draft_confidence(draft_confidence)
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(

@@ -115,6 +115,11 @@ def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, pro
 MIN_DRAFTS = 4
 
 
+def check_draft_confidence(threshold: float) -> None:
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"draft_confidence must be in [0, 1) (0 = verify the whole block), got {threshold}.")
+
+
 def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | None = None,
                  minimum: int | None = None) -> int:
     """How many drafts of a block to verify: the longest run whose cumulative drafter confidence stays >= threshold.
@@ -254,8 +259,7 @@ def speculative_generate(
     Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `draft_confidence`
     in (0, 1) verifies only the confident head of each block (see `draft_length`); 0 verifies all of it.
     """
-    if not 0.0 <= draft_confidence < 1.0:
-        raise ValueError(f"draft_confidence must be in [0, 1) (0 = verify the whole block), got {draft_confidence}.")
+    check_draft_confidence(draft_confidence)
     if drafter.target is not target:
         drafter.bind_target(target)
     b = input_ids.shape[0]

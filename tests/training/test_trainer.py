@@ -18,6 +18,7 @@ from hf_dscale.training.data import (
     load_meta,
 )
 from hf_dscale.training.losses import weighted_cross_entropy
+from hf_dscale.training import trainer
 from hf_dscale.training.trainer import TrainConfig, sequence_loss, train_drafter
 
 from ..conftest import VOCAB, tiny_drafter, tiny_target
@@ -92,7 +93,7 @@ def test_training_learns_and_the_result_decodes_exactly(data, tmp_path):
     assert torch.equal(plain, spec)
 
 
-def test_loss_over_the_draft_vocab_is_the_cross_entropy_restricted_to_what_decoding_proposes(data):
+def test_loss_over_the_draft_vocab_is_the_cross_entropy_restricted_to_what_decoding_proposes(data, monkeypatch):
     """With a draft vocab the softmax runs over it plus the sequence's own tokens, exactly as if every other
     logit were -inf (what `DraftVocab.logits` gives decoding); with a small set the loss is lower than the
     whole vocabulary's, so the restriction did happen."""
@@ -110,16 +111,10 @@ def test_loss_over_the_draft_vocab_is_the_cross_entropy_restricted_to_what_decod
         captured.update(logits=logits, labels=labels, weights=weights)
         return weighted_cross_entropy(logits, labels, weights)
 
-    import hf_dscale.training.trainer as trainer
-
-    original = trainer.weighted_cross_entropy
-    trainer.weighted_cross_entropy = spy
-    try:
-        full_loss, full_accuracy = sequence_loss(drafter, embed, head, sample, cfg, torch.Generator().manual_seed(0))
-        full = dict(captured)
-        loss, accuracy = sequence_loss(drafter, embed, head, sample, cfg, torch.Generator().manual_seed(0), vocab)
-    finally:
-        trainer.weighted_cross_entropy = original
+    monkeypatch.setattr(trainer, "weighted_cross_entropy", spy)
+    full_loss, _ = sequence_loss(drafter, embed, head, sample, cfg, torch.Generator().manual_seed(0))
+    full = dict(captured)
+    loss, accuracy = sequence_loss(drafter, embed, head, sample, cfg, torch.Generator().manual_seed(0), vocab)
     allowed = torch.zeros(VOCAB, dtype=torch.bool)
     allowed[vocab] = allowed[sample.input_ids] = True
     expected, expected_accuracy = weighted_cross_entropy(full["logits"].masked_fill(~allowed, float("-inf")),
