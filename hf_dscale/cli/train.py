@@ -17,6 +17,10 @@ def add_parser(sub) -> None:
     p.add_argument("--data-dir", required=True, help="cache of target answers and taps (created / resumed)")
     p.add_argument("--data-layer-ids", default=None,
                    help="comma-separated taps to cache (default: the drafter's); cache a superset to train several")
+    p.add_argument("--cache-taps", choices=["auto", "yes", "no"], default="auto",
+                   help="store the target's taps with the answers (~10 KB per token for 9 taps of SmolLM2) or only the "
+                        "answers, the target then computing the taps of every training batch; auto = what an existing "
+                        "--data-dir holds, else yes on a CPU and no on a GPU (where that forward is cheap)")
     p.add_argument("--out", required=True, help="output folder (checkpoints inside; final weights at the top)")
     p.add_argument("--fusion", choices=["layerwise", "shared"], default="layerwise",
                    help="layerwise = DScale, shared = DFlash")
@@ -29,9 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--gen-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=4, help="drafter forwards per optimizer step")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per drafter forward (raise it on a GPU)")
     p.add_argument("--num-anchors", type=int, default=64)
     p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many of the newest checkpoints to keep")
     p.add_argument("--vp-beta", type=float, default=None, help="train a variable-prefix drafter with this prior")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the drafter proposes from this many of the data's most frequent tokens plus each sequence's "
@@ -43,6 +49,7 @@ def add_parser(sub) -> None:
                    help="start from this drafter's weights (its config wins over the shape flags above)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="the target's dtype; auto = bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--mixed-precision", default="auto", help="auto = bf16 on CUDA, no on CPU")
     p.set_defaults(func=main)
 
@@ -63,26 +70,33 @@ def main(args) -> int:
 
     from ..models import DScaleConfig, DScaleDrafter
     from ..models.targets import load_target
-    from ..training.data import generate_data
+    from ..training.data import generate_data, load_meta
     from ..training.trainer import TrainConfig, train_drafter
 
     device = pick_device(args.device)
-    target, tokenizer = load_target(args.target, args.gguf_file, dtype=pick_dtype("auto", device), device=device)
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=pick_dtype(args.dtype, device), device=device)
     if args.init_from:
         config = DScaleConfig.from_pretrained(args.init_from)
     else:
         config = DScaleConfig.from_target(target.config, num_hidden_layers=args.draft_layers, num_taps=args.num_taps,
                                           fusion=args.fusion, mask_token_id=_mask_token(args, tokenizer),
                                           block_size=args.block_size)
-    layer_ids = ([int(x) for x in args.data_layer_ids.split(",")] if args.data_layer_ids
+    cache_taps = args.cache_taps == "yes"
+    if args.cache_taps == "auto":  # an existing folder keeps its choice; a new one caches on a CPU only
+        existing = os.path.join(args.data_dir, "meta.json")
+        cache_taps = load_meta(args.data_dir)["layer_ids"] is not None if os.path.exists(existing) else device == "cpu"
+    if not cache_taps and args.data_layer_ids:
+        raise ValueError("--data-layer-ids names taps to cache; it goes with --cache-taps yes.")
+    layer_ids = (None if not cache_taps else [int(x) for x in args.data_layer_ids.split(",")] if args.data_layer_ids
                  else list(config.target_layer_ids))
     if args.prompts:
         n = generate_data(target, tokenizer, args.prompts, args.data_dir, layer_ids, args.max_new_tokens,
                           args.gen_batch_size, args.limit_per_file, progress=True)
         print(f"self-distillation: {n} new samples in {args.data_dir}")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, num_anchors=args.num_anchors,
-                      save_every=args.save_every, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta,
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, batch_size=args.batch_size,
+                      num_anchors=args.num_anchors, save_every=args.save_every,
+                      keep_checkpoints=args.keep_checkpoints, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta,
                       draft_vocab=args.draft_vocab, full_vocab_loss=args.full_vocab_loss)
     torch.manual_seed(args.seed)
     drafter = (DScaleDrafter.from_pretrained(args.init_from) if args.init_from else DScaleDrafter(config)).to(device)

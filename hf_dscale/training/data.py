@@ -8,6 +8,12 @@ stopped and loses at most the batch in flight):
                                 taps [N, T, H] float16 (target hidden states at the tapped layers)
     shard-00000.json            the prompt ids in that shard (the resume index)
 
+Caching the taps trades disk for compute: about 10 KB per token for SmolLM2's 9 taps (6 GB for 2,000
+answers), against one target forward per sequence during training. On a CPU that forward is the
+expensive part, so the taps are cached; on a GPU it is cheap, and a folder made with
+`cache_taps=False` (meta `layer_ids: null`) holds only the tokens: the trainer then runs the target on
+each batch for exactly the taps its drafter needs.
+
 Responses are the target's own greedy answers (as the DFlash/DScale recipes regenerate responses with
 the target). The loss mask is 1 on response tokens.
 """
@@ -121,31 +127,35 @@ def generate_data(
     tokenizer,
     prompt_files: list[str],
     out_dir: str,
-    layer_ids: list[int],
+    layer_ids: list[int] | None,
     max_new_tokens: int = 256,
     batch_size: int = 16,
     limit_per_file: int | None = None,
     max_prompt_tokens: int = 512,
     progress: bool = False,
 ) -> int:
-    """Answer every not-yet-done prompt and cache its taps; returns the number of new samples."""
+    """Answer every not-yet-done prompt (and cache its taps unless `layer_ids` is None); returns the number
+    of new samples."""
     from tqdm.auto import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"target": target.config._name_or_path, "layer_ids": list(layer_ids), "max_new_tokens": max_new_tokens}
+    layer_ids = None if layer_ids is None else list(layer_ids)
+    meta = {"target": target.config._name_or_path, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens}
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             old = json.load(f)
-        if old["layer_ids"] != meta["layer_ids"]:
-            raise ValueError(f"{out_dir} holds taps of layers {old['layer_ids']}, not {layer_ids}; use a new folder.")
+        if old["layer_ids"] != layer_ids:
+            held = "no taps" if old["layer_ids"] is None else f"taps of layers {old['layer_ids']}"
+            wanted = "none" if layer_ids is None else f"layers {layer_ids}"
+            raise ValueError(f"{out_dir} holds {held}, not {wanted}; use a new folder.")
     else:
         _atomic_json(meta, meta_path)
 
     done = _done_ids(out_dir)
     todo = [row for path in prompt_files for row in read_prompts(path, limit_per_file) if row["id"] not in done]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    recorder = TapRecorder(target, layer_ids)
+    recorder = None if layer_ids is None else TapRecorder(target, layer_ids)
     shard, written = _next_shard(out_dir), 0
     try:
         bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
@@ -154,15 +164,15 @@ def generate_data(
             prompts = [render_prompt(tokenizer, row["prompt"])[-max_prompt_tokens:] for row in batch]
             responses = _answer_batch(target, prompts, max_new_tokens, pad_id)
             sequences = [p + r for p, r in zip(prompts, responses)]
-            taps = _taps(target, recorder, sequences, pad_id)
             lengths = [len(s) for s in sequences]
             tensors = {
                 "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
                 "loss_mask": torch.tensor([int(j >= len(p)) for p, s in zip(prompts, sequences) for j in range(len(s))],
                                           dtype=torch.uint8),
                 "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
-                "taps": torch.cat(taps).to(torch.float16),
             }
+            if recorder is not None:
+                tensors["taps"] = torch.cat(_taps(target, recorder, sequences, pad_id)).to(torch.float16)
             name = os.path.join(out_dir, f"shard-{shard:05d}")
             save_file(tensors, name + ".safetensors.tmp")
             os.replace(name + ".safetensors.tmp", name + ".safetensors")
@@ -171,7 +181,8 @@ def generate_data(
             bar.update(len(batch))
         bar.close()
     finally:
-        recorder.remove()
+        if recorder is not None:
+            recorder.remove()
     return written
 
 
@@ -179,7 +190,7 @@ def generate_data(
 class Sample:
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] bool
-    taps: torch.Tensor  # [L, T, H] float16
+    taps: torch.Tensor | None  # [L, T, H] float16, None in a folder without cached taps
 
 
 def load_meta(folder: str) -> dict:
@@ -190,7 +201,8 @@ def load_meta(folder: str) -> dict:
 def read_shard(folder: str, name: str) -> list[Sample]:
     data = load_file(os.path.join(folder, name + ".safetensors"))
     offsets = data["offsets"].tolist()
-    return [Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(), data["taps"][a:b])
+    taps = data.get("taps")
+    return [Sample(data["input_ids"][a:b].long(), data["loss_mask"][a:b].bool(), None if taps is None else taps[a:b])
             for a, b in zip(offsets[:-1], offsets[1:])]
 
 

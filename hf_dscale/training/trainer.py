@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..models import DScaleDrafter
+from ..models.dscale.assistant import TapRecorder
 from .data import Sample, frequent_tokens, load_meta, read_shard, shard_names
 from .losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
@@ -32,7 +33,8 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    grad_accum: int = 4  # sequences per optimizer step (per process)
+    grad_accum: int = 4  # drafter forwards per optimizer step (per process)
+    batch_size: int = 1  # sequences per drafter forward (a GPU wants many; padding costs a CPU)
     num_anchors: int = 64  # blocks per sequence (the references use up to 512)
     max_seq_len: int = 1024
     save_every: int = 100
@@ -51,7 +53,7 @@ class SampleStream:
     permutation too; sample number i of the whole run is therefore fixed, and `skip(i)` resumes.
     """
 
-    def __init__(self, folder: str, tap_index: list[int], seed: int, rank: int = 0, world: int = 1):
+    def __init__(self, folder: str, tap_index: list[int] | None, seed: int, rank: int = 0, world: int = 1):
         self.folder, self.tap_index, self.seed, self.rank, self.world = folder, tap_index, seed, rank, world
         self.shards = shard_names(folder)
         if not self.shards:
@@ -64,7 +66,7 @@ class SampleStream:
             samples = read_shard(self.folder, self.shards[shard])
             for j in torch.randperm(len(samples), generator=g).tolist():
                 s = samples[j]
-                yield Sample(s.input_ids, s.loss_mask, s.taps[:, self.tap_index])
+                yield Sample(s.input_ids, s.loss_mask, None if self.tap_index is None else s.taps[:, self.tap_index])
 
     def __iter__(self) -> Iterator[tuple[int, Sample]]:
         """(global sample number, sample); the number also seeds that sample's anchors."""
@@ -78,48 +80,121 @@ class SampleStream:
             epoch += 1
 
 
-def sequence_loss(drafter, embed, lm_head, sample: Sample, cfg: TrainConfig, generator: torch.Generator,
-                  vocab: torch.Tensor | None = None):
-    """Loss and accuracy of one sequence; None when it has no response token to learn from.
+class TargetTaps:
+    """Taps computed by the target for each batch, for data folders without cached taps.
+
+    The sequences are padded on the right: in a causal target no position sees the padding after it, so
+    every real position gets exactly its own taps.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.target, self.recorder = target, TapRecorder(target, layer_ids)
+
+    @torch.no_grad()
+    def __call__(self, sequences: list[torch.Tensor], width: int) -> torch.Tensor:
+        """[B, width, T, H] in the target's dtype (zeros past each sequence's end)."""
+        device = self.target.device
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            ids[i, : seq.shape[0]] = seq
+        with torch.autocast(device.type, enabled=False):  # the target's own precision, as at decoding time
+            self.target(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
+        return self.recorder.taps()
+
+    def remove(self) -> None:
+        self.recorder.remove()
+
+
+def batch_loss(drafter, embed, lm_head, samples: list[Sample], cfg: TrainConfig, generators: list[torch.Generator],
+               vocab: torch.Tensor | None = None, target_taps: TargetTaps | None = None):
+    """Loss and accuracy of a batch of sequences in one drafter forward; None when none has a response token.
+
+    Every sequence gets its own random anchors (from its own generator) and blocks, as in `build_blocks`.
+    The batch is padded to the longest context and the most blocks: padded blocks carry weight 0 and see
+    only themselves, and padded context positions are never visible (each block sees its own sequence's
+    context before its anchor). The loss weighs every predicted position of the batch alike.
 
     With `vocab` (the drafter's draft vocabulary) the softmax runs over what decoding can propose for
-    this sequence: `vocab` plus the sequence's own tokens (a superset of every label). That is the
-    distribution the drafter drafts from, and on a CPU the LM head over the whole vocabulary was most of
-    a step (SmolLM2, 48 blocks: 0.45 s per sequence with it, 0.16 s over 8,192 + the sequence's tokens).
+    these sequences: `vocab` plus their own tokens (a superset of every label). That is the distribution
+    the drafter drafts from, and on a CPU the LM head over the whole vocabulary was most of a step
+    (SmolLM2, 48 blocks: 0.45 s per sequence with it, 0.16 s over 8,192 + the sequence's tokens).
+
+    Taps come from the samples (a cache) or, for samples without them, from `target_taps`.
     """
     core = getattr(drafter, "module", drafter)  # unwrapped under DDP, for attributes only
     device = core.norm.weight.device
-    s = min(sample.input_ids.shape[0], cfg.max_seq_len)
-    ids, mask, taps = sample.input_ids[:s], sample.loss_mask[:s], sample.taps[:s]
-    anchors = sample_anchors(mask, cfg.num_anchors, generator)
-    if anchors.numel() == 0:
-        return None
     c = core.config
-    prefix = None if cfg.vp_beta is None else sample_prefix_lengths(anchors.numel(), c.block_size, cfg.vp_beta, generator)
-    blocks = build_blocks(ids, mask, anchors, c.block_size, c.mask_token_id, c.loss_decay_gamma, prefix)
+    items = []
+    for sample, generator in zip(samples, generators):
+        s = min(sample.input_ids.shape[0], cfg.max_seq_len)
+        ids, mask = sample.input_ids[:s], sample.loss_mask[:s]
+        anchors = sample_anchors(mask, cfg.num_anchors, generator)
+        if anchors.numel() == 0:
+            continue
+        prefix = None if cfg.vp_beta is None else sample_prefix_lengths(anchors.numel(), c.block_size, cfg.vp_beta,
+                                                                        generator)
+        items.append((sample, ids, build_blocks(ids, mask, anchors, c.block_size, c.mask_token_id,
+                                                c.loss_decay_gamma, prefix)))
+    if not items:
+        return None
+    g = c.block_size
+    width = max(ids.shape[0] for _, ids, _ in items)
+    n = max(blocks.input_ids.shape[0] for _, _, blocks in items)
+    b = len(items)
+    block_ids = torch.full((b, n, g), c.mask_token_id, dtype=torch.long)
+    labels = torch.zeros(b, n, g, dtype=torch.long)
+    weights = torch.zeros(b, n, g)
+    positions = torch.arange(g).repeat(b, n, 1)
+    sees_context = torch.zeros(b, n * g, width, dtype=torch.bool)
+    for i, (_, ids, blocks) in enumerate(items):
+        m, s = blocks.input_ids.shape[0], ids.shape[0]
+        block_ids[i, :m], labels[i, :m], weights[i, :m] = blocks.input_ids, blocks.labels, blocks.weights
+        positions[i, :m] = blocks.position_ids
+        sees_context[i, : m * g, :s] = blocks.attention_mask[:, :s]
+    query_block = torch.arange(n).repeat_interleave(g)
+    same_block = (query_block[:, None] == query_block[None]).expand(b, -1, -1)
+    attention_mask = torch.cat((sees_context, same_block), dim=-1)[:, None]
+
+    if all(sample.taps is not None for sample, _, _ in items):
+        taps = torch.zeros(b, width, *items[0][0].taps.shape[1:], dtype=items[0][0].taps.dtype)
+        for i, (sample, ids, _) in enumerate(items):
+            taps[i, : ids.shape[0]] = sample.taps[: ids.shape[0]]
+        taps = taps.to(device)
+    elif target_taps is not None:
+        taps = target_taps([ids for _, ids, _ in items], width)
+    else:
+        raise ValueError("These samples have no cached taps: pass `target_taps` to compute them with the target.")
+
     with torch.no_grad():
-        block_embeds = embed(blocks.input_ids.reshape(1, -1).to(device))
+        block_embeds = embed(block_ids.reshape(b, -1).to(device))
     hidden = drafter(
         block_embeds,
-        taps[None].to(device),
-        blocks.position_ids.reshape(1, -1).to(device),
-        torch.arange(s, device=device)[None],
+        taps,
+        positions.reshape(b, -1).to(device),
+        torch.arange(width, device=device).expand(b, -1),
         None,
-        blocks.attention_mask[None, None].to(device),
+        attention_mask.to(device),
     )
-    keep = (blocks.weights.reshape(-1) > 0).to(device)
+    keep = (weights.reshape(b, -1) > 0).to(device)
     if not bool(keep.any()):
         return None
-    rows = hidden[0][keep].to(lm_head.weight.dtype)
-    labels = blocks.labels.reshape(-1).to(device)[keep]
+    rows = hidden[keep].to(lm_head.weight.dtype)
+    labels = labels.reshape(b, -1).to(device)[keep]
     if vocab is None:
         logits = lm_head(rows)
     else:
-        candidates = torch.cat((vocab.to(device), ids.to(device))).unique()  # sorted; labels are tokens of ids
+        seen = torch.cat([ids for _, ids, _ in items])
+        candidates = torch.cat((vocab.to(device), seen.to(device))).unique()  # sorted; labels are tokens of ids
         bias = None if lm_head.bias is None else lm_head.bias[candidates]
         logits = torch.nn.functional.linear(rows, lm_head.weight[candidates], bias)
         labels = torch.searchsorted(candidates, labels)
-    return weighted_cross_entropy(logits, labels, blocks.weights.reshape(-1).to(device)[keep])
+    return weighted_cross_entropy(logits, labels, weights.reshape(b, -1).to(device)[keep])
+
+
+def sequence_loss(drafter, embed, lm_head, sample: Sample, cfg: TrainConfig, generator: torch.Generator,
+                  vocab: torch.Tensor | None = None, target_taps: TargetTaps | None = None):
+    """`batch_loss` of a single sequence."""
+    return batch_loss(drafter, embed, lm_head, [sample], cfg, [generator], vocab, target_taps)
 
 
 def _checkpoints(out_dir: str) -> list[str]:
@@ -156,10 +231,14 @@ def train_drafter(
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
     meta = load_meta(data_dir)
-    missing = [i for i in drafter.config.target_layer_ids if i not in meta["layer_ids"]]
-    if missing:
-        raise ValueError(f"{data_dir} caches taps of layers {meta['layer_ids']}; the drafter also needs {missing}.")
-    tap_index = [meta["layer_ids"].index(i) for i in drafter.config.target_layer_ids]
+    if meta["layer_ids"] is None:  # no cached taps: the target computes them for every batch
+        tap_index, target_taps = None, TargetTaps(target, list(drafter.config.target_layer_ids))
+    else:
+        missing = [i for i in drafter.config.target_layer_ids if i not in meta["layer_ids"]]
+        if missing:
+            raise ValueError(f"{data_dir} caches taps of layers {meta['layer_ids']}; the drafter also needs "
+                             f"{missing}. Train from a folder that caches them all, or one without cached taps.")
+        tap_index, target_taps = [meta["layer_ids"].index(i) for i in drafter.config.target_layer_ids], None
 
     drafter.bind_target(target)
     drafter.config.prefix_prior = cfg.vp_beta  # marks a variable-prefix (D²SD second) drafter in its config
@@ -185,25 +264,31 @@ def train_drafter(
     loss_vocab = drafter.draft_vocab if plain_head and not cfg.full_vocab_loss else None
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     stream = SampleStream(data_dir, tap_index, cfg.seed, accelerator.process_index, accelerator.num_processes)
-    stream.consumed = step * cfg.grad_accum * accelerator.num_processes
+    per_step = cfg.grad_accum * cfg.batch_size * accelerator.num_processes
+    stream.consumed = state.get("consumed", step * per_step) if checkpoints else 0
+    finished = stream.consumed  # samples used by the last finished step (an interrupt mid-step redoes that step)
     samples = iter(stream)
 
-    def save(at: int) -> None:
+    def save(at: int) -> None:  # `at` is always the last finished step
         if not accelerator.is_main_process:
             return
         path = os.path.join(out_dir, f"checkpoint-{at}")
         accelerator.unwrap_model(model).save_pretrained(path)
         finish_checkpoint(out_dir, path, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                          "step": at, "config": asdict(cfg)}, cfg.keep_checkpoints)
+                                          "step": at, "consumed": finished, "config": asdict(cfg)},
+                          cfg.keep_checkpoints)
 
     try:
         while step < cfg.steps:
             losses, accuracies = [], []
             for _ in range(cfg.grad_accum):
-                index, sample = next(samples)
-                generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+                batch, generators = [], []
+                for _ in range(cfg.batch_size):
+                    index, sample = next(samples)
+                    batch.append(sample)
+                    generators.append(torch.Generator().manual_seed(cfg.seed * 1_000_003 + index))
                 with accelerator.autocast():
-                    result = sequence_loss(model, embed, lm_head, sample, cfg, generator, loss_vocab)
+                    result = batch_loss(model, embed, lm_head, batch, cfg, generators, loss_vocab, target_taps)
                 if result is None:
                     continue
                 loss, accuracy = result
@@ -215,6 +300,7 @@ def train_drafter(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            finished = stream.consumed
             if on_step is not None and losses:
                 on_step(step, {"loss": sum(losses) / len(losses), "accuracy": sum(accuracies) / len(accuracies),
                                "grad_norm": float(norm), "lr": scheduler.get_last_lr()[0]})
@@ -223,6 +309,9 @@ def train_drafter(
     except KeyboardInterrupt:
         save(step)
         raise
+    finally:
+        if target_taps is not None:
+            target_taps.remove()
     final = accelerator.unwrap_model(model)
     final.eval()
     if accelerator.is_main_process:

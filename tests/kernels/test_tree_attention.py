@@ -19,6 +19,7 @@ from ..conftest import tiny_drafter, tiny_target
 pytestmark = pytest.mark.skipif(not triton_usable(torch.device("cpu")) and not torch.cuda.is_available(),
                                 reason="needs triton (CPU: TRITON_INTERPRET=1)")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on the CPU
 
 
 def _random_tree(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -27,7 +28,7 @@ def _random_tree(n: int, generator: torch.Generator) -> torch.Tensor:
     return tree.ancestor_mask()
 
 
-def _case(b, hq, hkv, n, c, d, dtype, seed, device="cpu", padded=True):
+def _case(b, hq, hkv, n, c, d, dtype, seed, device=DEVICE, padded=True):
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -66,7 +67,7 @@ def test_triton_matches_reference_on_random_trees(shape, dtype):
 
 
 def test_reference_equals_dense_sdpa_and_merge_is_exact():
-    q, kp, vp, kt, vt, mask, valid = _case(2, 4, 2, 12, 30, 32, torch.float32, seed=1)
+    q, kp, vp, kt, vt, mask, valid = _case(2, 4, 2, 12, 30, 32, torch.float32, seed=1, device="cpu")
     ref = tree_attention_reference(q, kp, vp, kt, vt, mask, None, valid)
     assert torch.allclose(ref, _dense(q, kp, vp, kt, vt, mask, valid), atol=1e-5)
     # merging the two halves of one key set equals attending to all of it
@@ -81,11 +82,12 @@ def test_kernel_inside_d2sd_verification_keeps_greedy_identity(monkeypatch):
     calls = []
     original = hf_attention.tree_attention
     monkeypatch.setattr(hf_attention, "tree_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    target = tiny_target("qwen3")
-    ids = torch.tensor([[3, 17, 29, 41, 8, 66, 12]])
+    target = tiny_target("qwen3").to(DEVICE)
+    ids = torch.tensor([[3, 17, 29, 41, 8, 66, 12]], device=DEVICE)
     plain = target.generate(ids, max_new_tokens=8, do_sample=False)
     spec = target.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=custom_generate,
-                           drafter=tiny_drafter(target), vp_drafter=tiny_drafter(target, seed=4), tree_kernel=True)
+                           drafter=tiny_drafter(target).to(DEVICE), vp_drafter=tiny_drafter(target, seed=4).to(DEVICE),
+                           tree_kernel=True)
     assert torch.equal(plain, spec)
     assert calls  # the verification forwards went through the kernel
     assert target.config._attn_implementation == "sdpa"  # restored afterwards

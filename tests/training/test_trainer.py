@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hf_dscale.training.data import (
 )
 from hf_dscale.training.losses import weighted_cross_entropy
 from hf_dscale.training import trainer
-from hf_dscale.training.trainer import TrainConfig, sequence_loss, train_drafter
+from hf_dscale.training.trainer import TargetTaps, TrainConfig, batch_loss, sequence_loss, train_drafter
 
 from ..conftest import VOCAB, tiny_drafter, tiny_target
 
@@ -46,6 +47,18 @@ def data(tmp_path_factory):
                          batch_size=5) == 12
     assert generate_data(target, _tokenizer(), [str(prompts)], str(out), layer_ids, max_new_tokens=24) == 0  # resumed
     return target, str(out)
+
+
+@pytest.fixture(scope="module")
+def tapless(data, tmp_path_factory):
+    """The same prompts answered again into a folder without cached taps (`layer_ids=None`)."""
+    target, folder = data
+    out = tmp_path_factory.mktemp("tapless")
+    prompts = os.path.join(os.path.dirname(folder), "prompts.jsonl")
+    assert generate_data(target, _tokenizer(), [prompts], str(out), None, max_new_tokens=24, batch_size=5) == 12
+    with pytest.raises(ValueError, match="holds no taps"):
+        generate_data(target, _tokenizer(), [prompts], str(out), [0, 1])
+    return str(out)
 
 
 def test_cached_taps_equal_a_fresh_forward(data):
@@ -153,3 +166,74 @@ def test_data_with_other_taps_is_refused(data, tmp_path):
     drafter.config.target_layer_ids = [0, 5]
     with pytest.raises(ValueError, match="caches taps of layers"):
         train_drafter(drafter, target, folder, str(tmp_path), TrainConfig(steps=1))
+
+
+def _spy_on_the_loss(monkeypatch) -> list[dict]:
+    calls = []
+
+    def spy(logits, labels, weights):
+        calls.append(dict(logits=logits, labels=labels, weights=weights))
+        return weighted_cross_entropy(logits, labels, weights)
+
+    monkeypatch.setattr(trainer, "weighted_cross_entropy", spy)
+    return calls
+
+
+@pytest.mark.parametrize("vp_beta", [None, 0.8])
+def test_a_batch_is_its_sequences_side_by_side(data, monkeypatch, vp_beta):
+    """Padding to the longest sequence and the most blocks changes nothing: the batched forward gives every
+    sequence the logits it gets alone, and the loss weighs all their predicted positions alike."""
+    target, folder = data
+    drafter = tiny_drafter(target, block_size=4, seed=2).bind_target(target)
+    tap_index = [load_meta(folder)["layer_ids"].index(i) for i in drafter.config.target_layer_ids]
+    samples = [type(s)(s.input_ids, s.loss_mask, s.taps[:, tap_index]) for s in list(iter_samples(folder))[:3]]
+    samples[1] = type(samples[1])(samples[1].input_ids[:-7], samples[1].loss_mask[:-7], samples[1].taps[:-7])
+    assert len({s.input_ids.shape[0] for s in samples}) > 1  # padding is exercised
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    cfg = TrainConfig(num_anchors=6, vp_beta=vp_beta)
+    calls = _spy_on_the_loss(monkeypatch)
+    for i, sample in enumerate(samples):
+        sequence_loss(drafter, embed, head, sample, cfg, torch.Generator().manual_seed(i))
+    loss, accuracy = batch_loss(drafter, embed, head, samples, cfg, [torch.Generator().manual_seed(i) for i in range(3)])
+    alone, batched = calls[:3], calls[3]
+    for key in ("logits", "labels", "weights"):
+        torch.testing.assert_close(batched[key], torch.cat([c[key] for c in alone]), atol=1e-5, rtol=1e-4)
+    expected, expected_accuracy = weighted_cross_entropy(*(torch.cat([c[k] for c in alone])
+                                                          for k in ("logits", "labels", "weights")))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert float(accuracy) == float(expected_accuracy)
+
+
+def test_taps_computed_by_the_target_give_the_cached_loss(data, tapless):
+    target, folder = data
+    assert load_meta(tapless)["layer_ids"] is None
+    cached, bare = list(iter_samples(folder)), list(iter_samples(tapless))
+    assert all(s.taps is None for s in bare)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(cached, bare))  # the same answers
+    drafter = tiny_drafter(target, block_size=4, seed=3).bind_target(target)
+    layers = list(drafter.config.target_layer_ids)
+    tap_index = [load_meta(folder)["layer_ids"].index(i) for i in layers]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    cfg = TrainConfig(num_anchors=8)
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(4)]  # noqa: E731
+    with_cache, _ = batch_loss(drafter, embed, head, [type(s)(s.input_ids, s.loss_mask, s.taps[:, tap_index])
+                                                      for s in cached[:4]], cfg, gens())
+    taps = TargetTaps(target, layers)
+    on_the_fly, _ = batch_loss(drafter, embed, head, bare[:4], cfg, gens(), target_taps=taps)
+    taps.remove()
+    torch.testing.assert_close(on_the_fly, with_cache, atol=2e-3, rtol=1e-3)  # the cache holds float16
+    with pytest.raises(ValueError, match="no cached taps"):
+        batch_loss(drafter, embed, head, bare[:1], cfg, gens()[:1])
+
+
+def test_training_without_cached_taps_learns_and_resumes_exactly(data, tapless, tmp_path):
+    target, _ = data
+    drafter, history = _train(target, tapless, tmp_path / "run", steps=40, batch_size=3)
+    assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.5
+    assert not any(layer._forward_hooks for layer in target.model.layers)  # the tap hooks were removed
+    straight, _ = _train(target, tapless, tmp_path / "a", steps=7, batch_size=3)
+    with pytest.raises(KeyboardInterrupt):
+        _train(target, tapless, tmp_path / "b", steps=7, stop_after=6, batch_size=3)
+    resumed, _ = _train(target, tapless, tmp_path / "b", steps=7, batch_size=3)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
