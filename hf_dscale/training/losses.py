@@ -22,7 +22,7 @@ class Blocks:
     labels: torch.Tensor  # [N, γ] token each position must predict (0 where weight is 0)
     weights: torch.Tensor  # [N, γ] decayed loss weights
     position_ids: torch.Tensor  # [N, γ] absolute positions anchor + k
-    attention_mask: torch.Tensor  # [N·γ, S + N·γ] bool, True = attend
+    anchors: torch.Tensor  # [N] (the visibility of each block: see `block_attention_mask`)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -65,12 +65,27 @@ def build_blocks(
     predicted = (k[None] > prefix[:, None]) & inside & loss_mask[positions.clamp_max(s - 1)].bool()
     weights = torch.exp(-(k[None] - prefix[:, None] - 1).clamp_min(0).float() / decay) * predicted
     labels = torch.where(predicted, real, torch.zeros_like(real))
+    return Blocks(block_ids, labels, weights, positions, anchors)
 
-    query_block = torch.arange(n).repeat_interleave(g)  # [N·γ]
-    sees_context = torch.arange(s)[None] < anchors[query_block][:, None]  # [N·γ, S]
-    same_block = query_block[:, None] == query_block[None]  # [N·γ, N·γ]
-    mask = torch.cat((sees_context, same_block), dim=1)
-    return Blocks(block_ids, labels, weights, positions, mask)
+
+def block_attention_mask(anchors: list[torch.Tensor], width: int, block_size: int,
+                         device: torch.device | str | None = None) -> torch.Tensor:
+    """[B, N·γ, width + N·γ] bool (True = attend) for B sequences' blocks laid after their contexts.
+
+    A block of sequence b sees that sequence's context strictly before its anchor and its own block in
+    both directions. N is the most anchors of any sequence; a sequence's missing blocks see only
+    themselves (their rows are padding). Built where it is used: for a GPU batch the mask has hundreds of
+    millions of entries, far too many to make on the CPU and copy.
+    """
+    n = max(a.numel() for a in anchors)
+    padded = torch.zeros(len(anchors), n, dtype=torch.long)
+    for i, a in enumerate(anchors):
+        padded[i, : a.numel()] = a
+    rows = padded.to(device).repeat_interleave(block_size, dim=1)  # [B, N·γ]: each row's anchor (0 = none)
+    sees_context = torch.arange(width, device=device) < rows[..., None]
+    query_block = torch.arange(n, device=device).repeat_interleave(block_size)
+    same_block = (query_block[:, None] == query_block[None]).expand(len(anchors), -1, -1)
+    return torch.cat((sees_context, same_block), dim=-1)
 
 
 def weighted_cross_entropy(

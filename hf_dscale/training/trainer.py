@@ -23,7 +23,7 @@ import torch
 from ..models import DScaleDrafter
 from ..models.dscale.assistant import TapRecorder
 from .data import Sample, frequent_tokens, load_meta, read_shard, shard_names
-from .losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
+from .losses import block_attention_mask, build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 
 @dataclass
@@ -145,15 +145,11 @@ def batch_loss(drafter, embed, lm_head, samples: list[Sample], cfg: TrainConfig,
     labels = torch.zeros(b, n, g, dtype=torch.long)
     weights = torch.zeros(b, n, g)
     positions = torch.arange(g).repeat(b, n, 1)
-    sees_context = torch.zeros(b, n * g, width, dtype=torch.bool)
-    for i, (_, ids, blocks) in enumerate(items):
-        m, s = blocks.input_ids.shape[0], ids.shape[0]
+    for i, (_, _, blocks) in enumerate(items):
+        m = blocks.input_ids.shape[0]
         block_ids[i, :m], labels[i, :m], weights[i, :m] = blocks.input_ids, blocks.labels, blocks.weights
         positions[i, :m] = blocks.position_ids
-        sees_context[i, : m * g, :s] = blocks.attention_mask[:, :s]
-    query_block = torch.arange(n).repeat_interleave(g)
-    same_block = (query_block[:, None] == query_block[None]).expand(b, -1, -1)
-    attention_mask = torch.cat((sees_context, same_block), dim=-1)[:, None]
+    attention_mask = block_attention_mask([blocks.anchors for _, _, blocks in items], width, g, device)[:, None]
 
     if all(sample.taps is not None for sample, _, _ in items):
         taps = torch.zeros(b, width, *items[0][0].taps.shape[1:], dtype=items[0][0].taps.dtype)
@@ -173,7 +169,7 @@ def batch_loss(drafter, embed, lm_head, samples: list[Sample], cfg: TrainConfig,
         positions.reshape(b, -1).to(device),
         torch.arange(width, device=device).expand(b, -1),
         None,
-        attention_mask.to(device),
+        attention_mask,
     )
     keep = (weights.reshape(b, -1) > 0).to(device)
     if not bool(keep.any()):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from hf_dscale.training.losses import build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
+from hf_dscale.training.losses import block_attention_mask, build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 MASK = 99
 
@@ -29,12 +29,23 @@ def test_blocks_mask_visibility_and_decay():
     w = blocks.weights
     assert w[:, 0].tolist() == [0, 0] and math.isclose(float(w[0, 1]), 1.0)
     assert math.isclose(float(w[0, 3]), math.exp(-1.0), rel_tol=1e-6)
-    m = blocks.attention_mask  # [8, 10 + 8]
+    assert blocks.anchors.tolist() == [3, 5]
+    m = block_attention_mask([blocks.anchors], 10, 4)[0]  # [8, 10 + 8]
     assert m.shape == (8, 18)
     assert m[0, :10].tolist() == [True] * 3 + [False] * 7  # block 0 sees context strictly before anchor 3
     assert m[4, :10].tolist() == [True] * 5 + [False] * 5  # block 1: before anchor 5 (not "before block 1")
     assert m[:4, 10:14].all() and not m[:4, 14:].any()  # bidirectional inside, blocks isolated
     assert m[4:, 14:].all() and not m[4:, 10:14].any()
+
+
+def test_a_batch_mask_pads_each_sequence_with_blocks_that_see_only_themselves():
+    alone = [block_attention_mask([a], s, 4)[0] for a, s in ((torch.tensor([3, 5]), 10), (torch.tensor([2]), 7))]
+    m = block_attention_mask([torch.tensor([3, 5]), torch.tensor([2])], 10, 4)  # width 10 = the longer context
+    assert m.shape == (2, 8, 18)
+    assert torch.equal(m[0], alone[0])
+    assert torch.equal(m[1, :4, :7], alone[1][:, :7]) and not m[1, :, 7:10].any()  # past its context: nothing
+    assert torch.equal(m[1, :4, 10:], torch.cat((alone[1][:, 7:], torch.zeros(4, 4, dtype=torch.bool)), 1))
+    assert not m[1, 4:, :14].any() and m[1, 4:, 14:].all()  # the padded block sees only itself
 
 
 def test_blocks_running_past_the_end_are_not_labelled():
