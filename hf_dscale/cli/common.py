@@ -11,8 +11,9 @@ DEFAULT_DRAFTER = os.path.join(os.path.dirname(__file__), "..", "..", "model_car
 
 
 def pick_device(name: str) -> str:
+    """auto = the GPU of this process (cuda:LOCAL_RANK under `accelerate launch`), else the CPU."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     return name
 
 

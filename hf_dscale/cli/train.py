@@ -93,7 +93,7 @@ def main(args) -> int:
         n = generate_data(target, tokenizer, args.prompts, args.data_dir, layer_ids, args.max_new_tokens,
                           args.gen_batch_size, args.limit_per_file, progress=True)
         print(f"self-distillation: {n} new samples in {args.data_dir}")
-    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device == "cuda" else "no")
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device.startswith("cuda") else "no")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, batch_size=args.batch_size,
                       num_anchors=args.num_anchors, save_every=args.save_every,
                       keep_checkpoints=args.keep_checkpoints, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta,

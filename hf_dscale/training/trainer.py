@@ -225,7 +225,11 @@ def train_drafter(
     from accelerate import Accelerator
     from transformers import get_cosine_schedule_with_warmup
 
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    # The drafter trains where the target lives (a CPU target on a GPU machine stays on the CPU).
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=target.device.type == "cpu")
+    if torch.empty(0, device=accelerator.device).device != target.device:  # "cuda" there means cuda:current
+        raise ValueError(f"The target is on {target.device} but this process trains on {accelerator.device}: load the "
+                         f"target there (under `accelerate launch`, process i uses cuda:i).")
     meta = load_meta(data_dir)
     if meta["layer_ids"] is None:  # no cached taps: the target computes them for every batch
         tap_index, target_taps = None, TargetTaps(target, list(drafter.config.target_layer_ids))

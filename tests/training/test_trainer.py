@@ -237,3 +237,9 @@ def test_training_without_cached_taps_learns_and_resumes_exactly(data, tapless, 
     resumed, _ = _train(target, tapless, tmp_path / "b", steps=7, batch_size=3)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_target_elsewhere_than_the_training_device_is_refused(data, tmp_path):
+    target = tiny_target("llama").to("meta")
+    with pytest.raises(ValueError, match="The target is on meta"):
+        train_drafter(tiny_drafter(target), target, data[1], str(tmp_path), TrainConfig(steps=1))
