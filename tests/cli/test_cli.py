@@ -110,6 +110,25 @@ def test_train_then_card(folders, tmp_path):
     assert card.startswith("---\n") and "DFlash (shared fusion)" in card and "hf-dscale bench" in card
 
 
+def test_train_without_cached_taps_in_batches_and_resume(folders, tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "drafter"
+    common = ["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),
+              "--out", str(out), "--block-size", "4", "--mask-token-id", "95", "--max-new-tokens", "8",
+              "--num-anchors", "4", "--grad-accum", "1", "--batch-size", "2", "--save-every", "1",
+              "--keep-checkpoints", "5", "--cache-taps", "no"]
+    assert main(common + ["--steps", "2"]) == 0
+    assert json.loads((data / "meta.json").read_text())["layer_ids"] is None
+    from safetensors import safe_open
+
+    with safe_open(str(next(data.glob("shard-*.safetensors"))), "pt") as shard:
+        assert set(shard.keys()) == {"input_ids", "loss_mask", "offsets"}  # the answers only
+    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
+    assert main(common[:-2] + ["--steps", "3"]) == 0  # auto: the folder's own choice; resumes at step 2
+    assert [json.loads(x)["step"] for x in (out / "log.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert main(common + ["--steps", "3", "--data-layer-ids", "0,1"]) == 2
+    assert "goes with --cache-taps yes" in capsys.readouterr().err
+
+
 def test_train_vp_drafter_from_a_drafter_then_card(folders, tmp_path):
     data, out = tmp_path / "data", tmp_path / "vp"
     code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),
