@@ -5,8 +5,6 @@ the rest of the suite."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from accelerate.state import AcceleratorState
@@ -16,8 +14,8 @@ from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.training.data import generate_data, iter_samples
 from hf_dscale.training.trainer import TrainConfig, train_drafter
 
-from .conftest import VOCAB, tiny_drafter, tiny_target
-from .training.test_trainer import _tokenizer
+from .conftest import tiny_drafter, tiny_target
+from .training.test_trainer import _tokenizer, write_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,12 +42,7 @@ def test_greedy_identity_on_the_gpu(kind):
 
 def test_training_on_the_gpu_with_taps_from_the_target(tmp_path):
     target = tiny_target("llama").to("cuda")
-    prompts = tmp_path / "prompts.jsonl"
-    g = torch.Generator().manual_seed(0)
-    with open(prompts, "w") as f:
-        for i in range(8):
-            words = " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB - 1, (6,), generator=g))
-            f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
     assert generate_data(target, _tokenizer(), [str(prompts)], str(tmp_path / "data"), None, max_new_tokens=24,
                          batch_size=4) == 8
     assert all(s.taps is None for s in iter_samples(str(tmp_path / "data")))

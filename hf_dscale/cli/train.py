@@ -87,8 +87,12 @@ def main(args) -> int:
         cache_taps = load_meta(args.data_dir)["layer_ids"] is not None if os.path.exists(existing) else device == "cpu"
     if not cache_taps and args.data_layer_ids:
         raise ValueError("--data-layer-ids names taps to cache; it goes with --cache-taps yes.")
-    layer_ids = (None if not cache_taps else [int(x) for x in args.data_layer_ids.split(",")] if args.data_layer_ids
-                 else list(config.target_layer_ids))
+    if not cache_taps:
+        layer_ids = None
+    elif args.data_layer_ids:
+        layer_ids = [int(x) for x in args.data_layer_ids.split(",")]
+    else:
+        layer_ids = list(config.target_layer_ids)
     if args.prompts:
         n = generate_data(target, tokenizer, args.prompts, args.data_dir, layer_ids, args.max_new_tokens,
                           args.gen_batch_size, args.limit_per_file, progress=True)

@@ -110,16 +110,21 @@ def _answer_batch(target, prompts: list[list[int]], max_new_tokens: int, pad_id:
 
 
 @torch.no_grad()
-def _taps(target, recorder: TapRecorder, sequences: list[list[int]], pad_id: int) -> list[torch.Tensor]:
-    """Tapped hidden states [L_i, T, H] of each unpadded sequence (batched with left padding)."""
-    ids, mask = _left_pad(sequences, pad_id)
-    width = ids.shape[1]
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+def padded_taps(target, recorder: TapRecorder, sequences, width: int | None = None) -> torch.Tensor:
+    """Tapped hidden states [B, width, T, H] of unpadded sequences (token lists or tensors), on the target's
+    device and in its own precision (autocast off).
+
+    The batch is padded on the right: in a causal target no position sees the padding after it, so every
+    real position gets exactly its own taps; positions past a sequence's end hold the padding's.
+    """
+    width = width or max(len(seq) for seq in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq)
     device = target.device
-    target(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-           use_cache=False, logits_to_keep=1)
-    taps = recorder.taps().cpu()
-    return [taps[i, width - len(s):] for i, s in enumerate(sequences)]
+    with torch.autocast(device.type, enabled=False):
+        target(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
+    return recorder.taps()
 
 
 def generate_data(
@@ -172,7 +177,8 @@ def generate_data(
                 "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
             }
             if recorder is not None:
-                tensors["taps"] = torch.cat(_taps(target, recorder, sequences, pad_id)).to(torch.float16)
+                taps = padded_taps(target, recorder, sequences).cpu()
+                tensors["taps"] = torch.cat([taps[i, : len(seq)] for i, seq in enumerate(sequences)]).to(torch.float16)
             name = os.path.join(out_dir, f"shard-{shard:05d}")
             save_file(tensors, name + ".safetensors.tmp")
             os.replace(name + ".safetensors.tmp", name + ".safetensors")

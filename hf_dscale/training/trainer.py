@@ -22,7 +22,7 @@ import torch
 
 from ..models import DScaleDrafter
 from ..models.dscale.assistant import TapRecorder
-from .data import Sample, frequent_tokens, load_meta, read_shard, shard_names
+from .data import Sample, frequent_tokens, load_meta, padded_taps, read_shard, shard_names
 from .losses import block_attention_mask, build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 
@@ -81,25 +81,14 @@ class SampleStream:
 
 
 class TargetTaps:
-    """Taps computed by the target for each batch, for data folders without cached taps.
-
-    The sequences are padded on the right: in a causal target no position sees the padding after it, so
-    every real position gets exactly its own taps.
-    """
+    """Taps computed by the target for each batch, for data folders without cached taps (`padded_taps`)."""
 
     def __init__(self, target, layer_ids: list[int]):
         self.target, self.recorder = target, TapRecorder(target, layer_ids)
 
-    @torch.no_grad()
     def __call__(self, sequences: list[torch.Tensor], width: int) -> torch.Tensor:
-        """[B, width, T, H] in the target's dtype (zeros past each sequence's end)."""
-        device = self.target.device
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            ids[i, : seq.shape[0]] = seq
-        with torch.autocast(device.type, enabled=False):  # the target's own precision, as at decoding time
-            self.target(input_ids=ids.to(device), use_cache=False, logits_to_keep=1)
-        return self.recorder.taps()
+        """[B, width, T, H] on the target's device, in its dtype."""
+        return padded_taps(self.target, self.recorder, sequences, width)
 
     def remove(self) -> None:
         self.recorder.remove()

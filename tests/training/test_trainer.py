@@ -31,15 +31,20 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0")
 
 
+def write_prompts(path, n: int):
+    """`n` prompts of six random words of the tiny tokenizer, as JSON lines; returns `path`."""
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB - 1, (6,), generator=g))
+            f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
-    prompts = folder / "prompts.jsonl"
-    g = torch.Generator().manual_seed(0)
-    with open(prompts, "w") as f:
-        for i in range(12):
-            words = " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB - 1, (6,), generator=g))
-            f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
+    prompts = write_prompts(folder / "prompts.jsonl", 12)
     target = tiny_target("llama")
     layer_ids = [0, 1, 2, 3, 4]
     out = folder / "cache"
