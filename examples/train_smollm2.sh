@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
 # Distil a DScale and a DFlash drafter for SmolLM2-135M-Instruct on the same data and budget, then bench both.
-# PROMPTS: folder with train_*.jsonl / eval_*.jsonl prompt files (JSON lines with a `prompt` field).
+#
+#   PROMPTS=../shared/data bash examples/train_smollm2.sh
+#
+# PROMPTS: the folder with train_gsm8k_prompts.jsonl and train_sharegpt_prompts.jsonl (JSON lines, `prompt`).
+# The defaults are sized for one GPU: answers stored without taps (the target recomputes them for every
+# batch), 16 x 2 sequences per step, every response position an anchor. On a CPU cache the taps and take
+# small steps: CACHE_TAPS=yes BATCH=1 ACCUM=4 ANCHORS=48 STEPS=1000. Every stage resumes where it stopped
+# (answers by prompt id, training from its newest checkpoint), so rerunning after an interruption loses nothing.
 set -euo pipefail
-PROMPTS=${PROMPTS:?set PROMPTS to the folder holding train_gsm8k_prompts.jsonl etc.}
+PROMPTS=${PROMPTS:?set PROMPTS to the folder holding train_gsm8k_prompts.jsonl and train_sharegpt_prompts.jsonl}
 RUNS=${RUNS:-runs}
-STEPS=${STEPS:-2000}
+ANSWERS=${ANSWERS:-4000}
+CACHE_TAPS=${CACHE_TAPS:-no}
+STEPS=${STEPS:-1500}
+BATCH=${BATCH:-16}
+ACCUM=${ACCUM:-2}
+ANCHORS=${ANCHORS:-512}
+LR=${LR:-5e-4}
+GEN_BATCH=${GEN_BATCH:-64}
+mkdir -p "$RUNS"
 
-# One data cache with the 9 DScale taps; the 5 DFlash taps are a subset for a 30-layer target.
-hf-dscale train --target smollm2 --prompts "$PROMPTS/train_gsm8k_prompts.jsonl" "$PROMPTS/train_sharegpt_prompts.jsonl" \
-    --data-dir "$RUNS/data" --fusion layerwise --out "$RUNS/dscale" --steps "$STEPS"
-hf-dscale train --target smollm2 --data-dir "$RUNS/data" --fusion shared --out "$RUNS/dflash" --steps "$STEPS"
+# 1. The prompt mix (2 GSM8K questions per code-related ShareGPT turn) and the target's greedy answers to the
+#    first ANSWERS of it. Cached taps (CACHE_TAPS=yes) are the 9 DScale layers, a superset of the 5 DFlash ones.
+python "$(dirname "$0")/make_prompt_mix.py" --data "$PROMPTS" --out "$RUNS/mix.jsonl"
+hf-dscale train --target smollm2 --prompts "$RUNS/mix.jsonl" --limit-per-file "$ANSWERS" --data-dir "$RUNS/data" \
+    --cache-taps "$CACHE_TAPS" --gen-batch-size "$GEN_BATCH" --out "$RUNS/gen" --steps 0
 
+# 2. Both drafters, same answers, steps, batch, anchors and schedule: layer-wise fusion (DScale) and the
+#    shared fused input (DFlash).
+hf-dscale train --target smollm2 --data-dir "$RUNS/data" --fusion layerwise --out "$RUNS/dscale" --steps "$STEPS" \
+    --batch-size "$BATCH" --grad-accum "$ACCUM" --num-anchors "$ANCHORS" --lr "$LR" --save-every 100
+hf-dscale train --target smollm2 --data-dir "$RUNS/data" --fusion shared --out "$RUNS/dflash" --steps "$STEPS" \
+    --batch-size "$BATCH" --grad-accum "$ACCUM" --num-anchors "$ANCHORS" --lr "$LR" --save-every 100
+
+# 3. Held-out prompts, greedy, both drafters; add --draft-confidence 0 to verify whole blocks on a CPU too.
 for d in dscale dflash; do
   hf-dscale bench --target smollm2 --drafter "$RUNS/$d" --method dscale --prompts "$PROMPTS/eval_gsm8k.jsonl" \
       --limit 100 --max-new-tokens 256 --json "$RUNS/$d-gsm8k.json" --plot "$RUNS/$d-gsm8k.png"
+  hf-dscale bench --target smollm2 --drafter "$RUNS/$d" --method dscale --prompts "$PROMPTS/eval_humaneval.jsonl" \
+      --max-new-tokens 256 --json "$RUNS/$d-humaneval.json"
 done

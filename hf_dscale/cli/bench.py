@@ -16,10 +16,10 @@ def add_parser(sub) -> None:
                    help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
-    p.add_argument("--draft-confidence", type=float, default=0.0,
+    p.add_argument("--draft-confidence", type=float, default=None,
                    help="verify only the head of each block whose cumulative drafter confidence is at least this "
-                        "(0 = the whole block; d2sd: the token tree's depth; try 0.1-0.3 on a CPU, where wide "
-                        "verifies cost more)")
+                        "(0 = the whole block; d2sd: the token tree's depth; default 0.1 on a CPU, where wide "
+                        "verifies cost more, 0 on a GPU)")
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -51,12 +51,14 @@ def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
+    from ..generation.decode import resolve_draft_confidence
     from ..training.data import read_prompts, render_prompt
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); --method dscale takes none.")
     target, tokenizer, drafter = load_models(args)
-    extra = {"draft_confidence": args.draft_confidence} if args.draft_confidence else {}
+    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
+    extra = {"draft_confidence": confidence}
     if args.method == "d2sd":
         extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
                       branch_policy=args.branch_policy)
@@ -70,7 +72,7 @@ def main(args) -> int:
     report = result.to_json()
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  draft_confidence=args.draft_confidence, draft_vocab_size=drafter.config.draft_vocab_size,
+                  draft_confidence=confidence, draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
                   dtype=str(target.dtype))
     emit_report(report, args.json)

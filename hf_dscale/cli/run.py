@@ -25,14 +25,13 @@ def main(args) -> int:
     import torch
 
     from ..evaluation import bench_speculative
+    from ..generation.decode import resolve_draft_confidence
     from ..training.data import render_prompt
 
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
     target, tokenizer, drafter = load_models(args)
     ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
-    confidence = args.draft_confidence
-    if confidence is None:
-        confidence = 0.1 if target.device.type == "cpu" else 0.0
+    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
     report = result.to_json()
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))

@@ -36,7 +36,7 @@ def generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
-    draft_confidence: float = 0.0,
+    draft_confidence: float | None = None,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -54,13 +54,15 @@ def generate(
         draft_confidence: verify only the head of each block whose cumulative drafter confidence is at
             least this (0 = the whole block); with `vp_drafter`, every path of the token tree stops at
             that depth. Worth it where a wide verify costs more than a narrow one (the CPU); output is
-            unchanged.
+            unchanged. Default: `drafter.draft_confidence` if set, else 0.1 on a CPU and 0 on a GPU.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:
         sequences [B, P + N], or a `GenerateDecoderOnlyOutput` when `return_dict_in_generate=True`.
     """
     drafter = _load_drafter(drafter, model)
+    if draft_confidence is None:  # the drafter's own setting, else the device's default
+        draft_confidence = getattr(drafter, "draft_confidence", None)
     if generation_config.num_beams not in (None, 1) or (generation_config.num_return_sequences or 1) != 1:
         raise ValueError("hf_dscale speculative decoding supports num_beams=1 and num_return_sequences=1.")
     if streamer_ is not None and input_ids.shape[0] != 1:

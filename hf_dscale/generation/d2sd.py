@@ -40,7 +40,7 @@ from ..kernels.hf_attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
-from .decode import _commit, _Decoder, _Rows, check_draft_confidence, draft_length, lay_out
+from .decode import _commit, _Decoder, _Rows, draft_length, lay_out, resolve_draft_confidence
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -214,7 +214,7 @@ def tree_generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
-    draft_confidence: float = 0.0,
+    draft_confidence: float | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
@@ -222,13 +222,14 @@ def tree_generate(
     `generate()` lays them out (left padding kept, finished rows padded with `pad_token_id`).
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
-    `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring).
+    `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
+    None: the device's default (`decode.resolve_draft_confidence`).
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
-    check_draft_confidence(draft_confidence)
+    draft_confidence = resolve_draft_confidence(draft_confidence, input_ids.device)
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(

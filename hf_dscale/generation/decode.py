@@ -10,7 +10,7 @@ Logits processors and stopping criteria see each row's sequence as plain `genera
 (left-padded prompt + generated tokens), one row and one position at a time.
 
 Where a wide verify costs more than a narrow one (a CPU: 16 tokens ~2x one), `draft_confidence` verifies
-only the drafts the drafter is confident of; see `draft_length`.
+only the drafts the drafter is confident of (by default on a CPU); see `draft_length`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.dscale.assistant import TapRecorder, choose_tokens
+from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives with the drafter's remote code)
+    CPU_DRAFT_CONFIDENCE,
+    MIN_DRAFTS,
+    TapRecorder,
+    choose_tokens,
+    draft_length,
+    resolve_draft_confidence,
+)
 from ..models.dscale.modeling_dscale import DraftContextCache
 from ..models.dscale import compat
 from .acceptance import greedy_accept, speculative_accept
@@ -106,41 +113,6 @@ def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, pro
         for b in range(logits.shape[0])
     ]
     return torch.cat([t for t, _ in picked]), torch.cat([s for _, s in picked])
-
-
-# A narrow block is no cheaper to verify on a CPU: BLAS runs a 2- or 3-row matmul as that many
-# matrix-vector products, and 5 rows happen to be cheapest of all (SmolLM2 forward with a 300-token cache,
-# 2 cores, medians of 12: 42 / 62 / 58 / 61 / 64 ms for 1 / 4 / 5 / 6 / 8 new tokens; 65 and 80 ms for 2
-# and 3), so a cut keeps at least this many drafts (5 tokens with the anchor).
-MIN_DRAFTS = 4
-
-
-def check_draft_confidence(threshold: float) -> None:
-    if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"draft_confidence must be in [0, 1) (0 = verify the whole block), got {threshold}.")
-
-
-def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | None = None,
-                 minimum: int | None = None) -> int:
-    """How many drafts of a block to verify: the longest run whose cumulative drafter confidence stays >= threshold.
-
-    The confidence of draft k is the top probability of its distribution q_k, a property of q_k and not of
-    the token drawn from it, so the cut is decided before each draft is seen and speculative sampling
-    stays lossless. The product c_1..c_k estimates the chance that drafts 1..k are all accepted. At
-    least `minimum` (default `MIN_DRAFTS`) drafts are kept; rows share the block width, so the widest active row decides.
-
-    Example: confidences [0.9, 0.8, 0.6, 0.9, 0.9], threshold 0.5 -> cumulative [0.9, 0.72, 0.43, ...]
-    -> 2 drafts, raised to `minimum`.
-    """
-    k = q_logits.shape[1]
-    if threshold <= 0:
-        return k
-    confident = q_logits.float().softmax(-1).amax(-1).cumprod(-1) >= threshold  # [B, K]
-    lengths = confident.int().cumprod(-1).sum(-1)  # the run is a prefix, so this is its length
-    if active is not None:
-        lengths = lengths[torch.tensor(active, device=lengths.device)]
-    longest = int(lengths.max()) if lengths.numel() else k
-    return min(k, max(MIN_DRAFTS if minimum is None else minimum, 1, longest))
 
 
 def _commit(rows: _Rows, b: int, tokens: list[int], scores: torch.Tensor, stopping_criteria) -> int:
@@ -252,14 +224,15 @@ def speculative_generate(
     pad_token_id: int = 0,
     cache=None,
     streamer=None,
-    draft_confidence: float = 0.0,
+    draft_confidence: float | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """Decode until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
     Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `draft_confidence`
-    in (0, 1) verifies only the confident head of each block (see `draft_length`); 0 verifies all of it.
+    in (0, 1) verifies only the confident head of each block (see `draft_length`); 0 verifies all of it;
+    None: `CPU_DRAFT_CONFIDENCE` on a CPU, 0 elsewhere.
     """
-    check_draft_confidence(draft_confidence)
+    draft_confidence = resolve_draft_confidence(draft_confidence, input_ids.device)
     if drafter.target is not target:
         drafter.bind_target(target)
     b = input_ids.shape[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_dscale.cli import main
-from hf_dscale.generation.decode import MIN_DRAFTS
+from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, MIN_DRAFTS
 
 from ..conftest import tiny_drafter, tiny_target
 from ..training.test_trainer import _tokenizer
@@ -42,20 +42,23 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert report["command"].startswith("hf-dscale bench")
     assert [p["id"] for p in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
     assert all(p["identical"] and p["tau"] >= 1.0 for p in report["per_prompt"])
-    block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
-    assert report["verify_tokens"] == block_size  # no cut: every forward verifies a whole block
+    assert report["device"] == "cpu" and report["draft_confidence"] == CPU_DRAFT_CONFIDENCE  # the CPU's default cut
 
 
-def test_bench_draft_confidence_narrows_the_verified_block(folders, tmp_path):
+@pytest.mark.parametrize("confidence", ["0", "0.5"])
+def test_bench_draft_confidence_sets_the_verified_block(folders, tmp_path, confidence):
     out = tmp_path / "bench.json"
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
-                 "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--draft-confidence", "0.5",
+                 "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--draft-confidence", confidence,
                  "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
-    assert report["identical"] is True and report["draft_confidence"] == 0.5
-    assert MIN_DRAFTS + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
+    assert report["identical"] is True and report["draft_confidence"] == float(confidence)
+    if confidence == "0":
+        assert report["verify_tokens"] == block_size  # no cut: every forward verifies a whole block
+    else:
+        assert MIN_DRAFTS + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
 
 
 def test_bench_d2sd(folders, tmp_path):

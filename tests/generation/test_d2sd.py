@@ -12,7 +12,7 @@ from hf_dscale.generation import DecodeStats, custom_generate, d2sd, decode
 from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_prefixes
 from hf_dscale.generation.decode import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
-from hf_dscale.models.dscale import compat
+from hf_dscale.models.dscale import assistant, compat
 
 from ..conftest import MASK_ID, OracleDrafter, oracle_from, restrict, tiny_drafter, tiny_target
 from .test_exactness import _prompt
@@ -348,7 +348,7 @@ def test_sampling_through_generate_matches_target(setup):  # noqa: F811
 
 def test_sampling_with_a_capped_tree_matches_target(setup, monkeypatch):  # noqa: F811
     target, drafter, prompt, exact = setup
-    monkeypatch.setattr(decode, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    monkeypatch.setattr(assistant, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
     vp = tiny_drafter(target, block_size=4, seed=9)
     trees = _record_trees(monkeypatch)
     samples = _tree_samples(target, drafter, vp, prompt, seed=3, draft_confidence=0.2)

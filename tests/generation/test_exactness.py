@@ -7,7 +7,8 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.decode import MIN_DRAFTS, draft_length
+from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, MIN_DRAFTS, draft_length, resolve_draft_confidence
+from hf_dscale.models.dscale import assistant
 
 from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
 
@@ -194,6 +195,55 @@ def test_draft_confidence_keeps_greedy_identity_and_narrows_blocks(batch):
                                dscale_stats=stats)
         assert torch.equal(plain, spec), f"seed {seed}"
         assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
+
+
+def test_custom_generate_reads_the_drafters_draft_confidence():
+    """Without the keyword, custom_generate takes `drafter.draft_confidence`, and without that the CPU's cut."""
+    target = tiny_target("llama")
+    ids, mask = _prompt(2, 9, 0)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, plain, mask, 0.25)
+    drafter.boost = 5.0  # confidences low enough for the CPU's default to cut
+    verified = {}
+    for setting in (0.0, None):
+        drafter.draft_confidence, stats = setting, DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+        assert torch.equal(plain, spec)
+        verified[setting] = set(stats.verified)
+    assert verified[0.0] == {drafter.config.block_size}  # whole blocks, though the target is on the CPU
+    assert min(verified[None]) < drafter.config.block_size
+
+
+def test_draft_confidence_defaults_to_a_cut_on_the_cpu_only():
+    assert resolve_draft_confidence(None, "cpu") == CPU_DRAFT_CONFIDENCE > 0  # wide verifies cost more there
+    assert resolve_draft_confidence(None, torch.device("cuda", 0)) == 0.0  # the whole block costs about one step
+    assert resolve_draft_confidence(0.0, "cpu") == 0.0 and resolve_draft_confidence(0.3, "cuda") == 0.3
+    with pytest.raises(ValueError, match="draft_confidence"):
+        resolve_draft_confidence(-0.1, "cpu")
+
+
+@pytest.mark.parametrize("confidence, boost", [(None, 5.0), (0.5, 7.0)])
+def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypatch):
+    """`generate(assistant_model=drafter)` cuts blocks like custom_generate (by default on the CPU), exactly."""
+    target = tiny_target("llama")
+    widths = []
+    get_candidates = assistant.DScaleCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kwargs):
+        sequences, scores = get_candidates(self, input_ids, **kwargs)
+        widths.append(sequences.shape[1] - input_ids.shape[1])
+        return sequences, scores
+
+    monkeypatch.setattr(assistant.DScaleCandidateGenerator, "get_candidates", spy)
+    for seed in range(2):
+        ids, _ = _prompt(1, 8 + 3 * seed, seed)
+        plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+        drafter = _oracle(target, plain, None, 0.25, seed)
+        drafter.boost, drafter.draft_confidence = boost, confidence  # confidences spread over (0, 1)
+        assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
+    # Blocks cut to the minimum, more often than the two ends of the generations could, and not all alike.
+    assert widths.count(MIN_DRAFTS) > 2 and MIN_DRAFTS < max(widths) <= drafter.config.block_size - 1
 
 
 def test_draft_confidence_is_checked():

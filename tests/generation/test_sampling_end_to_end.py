@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_dscale.generation import DecodeStats, custom_generate, decode
+from hf_dscale.models.dscale import assistant
 
 from ..conftest import tiny_drafter, tiny_target
 from .test_acceptance import _broken_recovered_from_p, _pvalue
@@ -60,7 +61,7 @@ def test_sampling_with_a_confidence_cut_matches_target(setup, monkeypatch):
     """Blocks narrowed by `draft_confidence` (decided from q's top probabilities, never from the drawn
     tokens) keep the target's distribution."""
     target, drafter, prompt, exact = setup
-    monkeypatch.setattr(decode, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    monkeypatch.setattr(assistant, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
     stats = DecodeStats()
     samples = _custom_samples(target, drafter, prompt, draft_confidence=0.2, seed=2, dscale_stats=stats)
     assert max(stats.verified) < drafter.config.block_size  # the cut did narrow the blocks
