@@ -19,6 +19,8 @@ ACCUM=${ACCUM:-2}
 ANCHORS=${ANCHORS:-512}
 LR=${LR:-5e-4}
 GEN_BATCH=${GEN_BATCH:-64}
+GSM8K_LIMIT=${GSM8K_LIMIT:-100}
+HUMANEVAL_LIMIT=${HUMANEVAL_LIMIT:-164}
 mkdir -p "$RUNS"
 
 # 1. The prompt mix (2 GSM8K questions per code-related ShareGPT turn) and the target's greedy answers to the
@@ -37,7 +39,7 @@ hf-dscale train --target smollm2 --data-dir "$RUNS/data" --fusion shared --out "
 # 3. Held-out prompts, greedy, both drafters; add --draft-confidence 0 to verify whole blocks on a CPU too.
 for d in dscale dflash; do
   hf-dscale bench --target smollm2 --drafter "$RUNS/$d" --method dscale --prompts "$PROMPTS/eval_gsm8k.jsonl" \
-      --limit 100 --max-new-tokens 256 --json "$RUNS/$d-gsm8k.json" --plot "$RUNS/$d-gsm8k.png"
+      --limit "$GSM8K_LIMIT" --max-new-tokens 256 --json "$RUNS/$d-gsm8k.json"
   hf-dscale bench --target smollm2 --drafter "$RUNS/$d" --method dscale --prompts "$PROMPTS/eval_humaneval.jsonl" \
-      --max-new-tokens 256 --json "$RUNS/$d-humaneval.json"
+      --limit "$HUMANEVAL_LIMIT" --max-new-tokens 256 --json "$RUNS/$d-humaneval.json"
 done
