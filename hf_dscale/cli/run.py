@@ -25,7 +25,7 @@ def main(args) -> int:
     import torch
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import resolve_draft_confidence
+    from ..generation.decode import min_drafts_for, resolve_draft_confidence
     from ..training.data import render_prompt
 
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
@@ -34,9 +34,10 @@ def main(args) -> int:
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
     report = result.to_json()
+    cut = f"draft_confidence {confidence}" + (f", at least {min_drafts_for(target)} drafts" if confidence > 0 else "")
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
-          f"({report['verify_tokens']:.1f} tokens verified per forward, draft_confidence {confidence})")
+          f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")
     print(f"speculative {report['tokens_per_s']:.1f} tokens/s vs plain generate() {report['baseline_tokens_per_s']:.1f} "
           f"tokens/s: speedup {report['speedup']:.2f}x; identical to plain greedy: {report['identical']}")
     return 0 if report["identical"] else 1

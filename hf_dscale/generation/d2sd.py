@@ -23,7 +23,7 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
    as their next context.
 
 With `draft_confidence` c > 0 every path of the tree stops at the depth where the first drafter's
-cumulative confidence falls below c (at least `MIN_DRAFTS`, as in single-drafter decoding): boundaries
+cumulative confidence falls below c (at least `min_drafts_for(target)`, as in single-drafter decoding): boundaries
 are picked inside that head and branches end there too. That is for hardware where a wide verify costs
 more than a narrow one (a CPU): on SmolLM2 with K = 2 the tree holds about 12 tokens instead of 73 and
 keeps about half of D²SD's τ gain. The depth comes from confidences, never from drawn tokens, so
@@ -121,7 +121,7 @@ class _TreeDecoder(_Decoder):
         anchor = self.anchors[:, None]
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
                                            self.dcache, valid, self.vocab)[0].float()
-        depth = draft_length(logits[None], self.draft_confidence)  # drafts on every path of the tree
+        depth = draft_length(logits[None], self.draft_confidence, minimum=self.min_drafts)  # drafts on every path
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size

@@ -22,10 +22,12 @@ import torch
 
 from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives with the drafter's remote code)
     CPU_DRAFT_CONFIDENCE,
+    FALLBACK_MIN_DRAFTS,
     MIN_DRAFTS,
     TapRecorder,
     choose_tokens,
     draft_length,
+    min_drafts_for,
     resolve_draft_confidence,
 )
 from ..models.dscale.modeling_dscale import DraftContextCache
@@ -132,6 +134,7 @@ class _Decoder:
                  draft_confidence: float = 0.0):
         self.target, self.drafter, self.rows = target, drafter, rows
         self.draft_confidence = draft_confidence
+        self.min_drafts = min_drafts_for(target) if draft_confidence > 0 else None  # measured before the hooks
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
@@ -169,7 +172,7 @@ class _Decoder:
         draft_ids, q_logits = _draft(self.drafter, self.rows, self.anchors, self.taps, self.anchor_pos,
                                      self.ctx_pos, self.dcache, self.valid, self.processors, self.do_sample,
                                      self.vocab)
-        n = draft_length(q_logits, self.draft_confidence, [not f for f in self.rows.finished])
+        n = draft_length(q_logits, self.draft_confidence, [not f for f in self.rows.finished], self.min_drafts)
         draft_ids, q_logits = draft_ids[:, :n], q_logits[:, :n]
         gamma = n + 1  # the verified block: anchor + n drafts
         t1 = time.perf_counter()

@@ -18,7 +18,8 @@ without touching transformers' internals:
    and from the second call on the drafter proposes full blocks.
 4. **How much of a block.** On a CPU a wide verify costs more than a narrow one, so by default there the
    drafter proposes only the head of each block it is confident of (`drafter.draft_confidence`,
-   `draft_length` below); elsewhere the whole block.
+   `draft_length` below), never fewer drafts than the target verifies cheaply (`min_drafts_for`);
+   elsewhere the whole block.
 
 A new `generate()` is recognised by its own copy of the generation config. This file is shipped with
 the model as remote code, so it imports only torch, transformers' public API and its siblings.
@@ -27,6 +28,8 @@ the model as remote code, so it imports only torch, transformers' public API and
 from __future__ import annotations
 
 import inspect
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -77,12 +80,51 @@ class DraftGenerateOutput:
     past_key_values: None = None
 
 
-# A narrow block is no cheaper to verify on a CPU: BLAS runs a 2- or 3-row matmul as that many
-# matrix-vector products, and 5 rows happen to be cheapest of all (SmolLM2 forward with a 300-token cache,
-# 2 cores, medians of 12: 42 / 62 / 58 / 61 / 64 ms for 1 / 4 / 5 / 6 / 8 new tokens; 65 and 80 ms for 2
-# and 3; on another 2-core machine 58 / 89 / 80 / 84 / 87, and 97 and 120), so a cut keeps at least this
-# many drafts (5 tokens with the anchor).
-MIN_DRAFTS = 4
+# How many drafts a confidence cut keeps at least. The cheapest verify width above one token depends on the
+# CPU's BLAS: on one 2-core machine 2 and 3 new tokens cost more than 5 (SmolLM2 with a 300-token cache,
+# medians of 12: 42 / 65 / 80 / 62 / 58 ms for 1-5 new tokens), on another 2 and 3 are the cheap ones
+# (42 / 47 / 53 / 69 / 71 ms). So it is measured once per target on a CPU (`min_drafts_for`); set an int here to
+# fix it everywhere. Off the CPU, where a cut is rarely used (a wide verify costs about one step), and in
+# `draft_length` when the caller gives none, the minimum is `FALLBACK_MIN_DRAFTS`.
+MIN_DRAFTS: int | None = None
+FALLBACK_MIN_DRAFTS = 4
+_MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def min_drafts_for(target: nn.Module) -> int:
+    """The fewest drafts a confidence cut verifies with `target`: `MIN_DRAFTS` if set, else measured on a CPU.
+
+    The measurement (once per model, ~2 s for SmolLM2-135M on 2 cores) times forwards of 2-8 new tokens and
+    keeps one less (the anchor is verified too) than the widest that costs at most 10% more than the cheapest.
+    """
+    if MIN_DRAFTS is not None:
+        return MIN_DRAFTS
+    if next(target.parameters()).device.type != "cpu":
+        return FALLBACK_MIN_DRAFTS
+    if target not in _MEASURED_MIN_DRAFTS:
+        _MEASURED_MIN_DRAFTS[target] = cheap_verify_width(target) - 1
+    return _MEASURED_MIN_DRAFTS[target]
+
+
+@torch.no_grad()
+def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
+                       clock=time.perf_counter) -> int:
+    """The widest of `widths` new tokens whose forward costs at most `tolerance` x the cheapest of them.
+
+    Forwards without a cache: their matrix products, which decide how cost grows with width on a CPU, are
+    those of a verify. Widths are interleaved and each cost is the median of `repeats`, so drift hits all alike.
+    """
+    ids = torch.zeros(1, max(widths), dtype=torch.long, device=next(target.parameters()).device)
+    target(input_ids=ids[:, :1], use_cache=False)  # warm-up
+    seconds: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(repeats):
+        for w in widths:
+            start = clock()
+            target(input_ids=ids[:, :w], use_cache=False)
+            seconds[w].append(clock() - start)
+    cost = {w: sorted(s)[len(s) // 2] for w, s in seconds.items()}
+    cheapest = min(cost.values())
+    return max(w for w in widths if cost[w] <= tolerance * cheapest)
 
 
 # The cut used when none is given: on a CPU a 5-token verify costs ~1.4x a one-token step and a 16-token one
@@ -106,8 +148,9 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
 
     The confidence of draft k is the top probability of its distribution q_k, a property of q_k and not of
     the token drawn from it, so the cut is decided before each draft is seen and speculative sampling
-    stays lossless. The product c_1..c_k estimates the chance that drafts 1..k are all accepted. At
-    least `minimum` (default `MIN_DRAFTS`) drafts are kept; rows share the block width, so the widest active row decides.
+    stays lossless. The product c_1..c_k estimates the chance that drafts 1..k are all accepted. At least
+    `minimum` drafts are kept (`min_drafts_for(target)`; if None, `MIN_DRAFTS` or else `FALLBACK_MIN_DRAFTS`);
+    rows share the block width, so the widest active row decides.
 
     Example: confidences [0.9, 0.8, 0.6, 0.9, 0.9], threshold 0.5 -> cumulative [0.9, 0.72, 0.43, ...]
     -> 2 drafts, raised to `minimum`.
@@ -120,7 +163,9 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     if active is not None:
         lengths = lengths[torch.tensor(active, device=lengths.device)]
     longest = int(lengths.max()) if lengths.numel() else k
-    return min(k, max(MIN_DRAFTS if minimum is None else minimum, 1, longest))
+    if minimum is None:
+        minimum = FALLBACK_MIN_DRAFTS if MIN_DRAFTS is None else MIN_DRAFTS
+    return min(k, max(minimum, 1, longest))
 
 
 
@@ -136,6 +181,8 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.generation_config = generation_config
         self.logits_processor = logits_processor
+        self.draft_confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
+        self.min_drafts = min_drafts_for(drafter.target) if self.draft_confidence > 0 else None  # before the hooks
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
         self.cache = DraftContextCache(drafter.config.num_hidden_layers)
         self.context_len = 0  # sequence positions whose features the drafter has ingested
@@ -174,7 +221,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
             self.context_len = length - 1
             do_sample = bool(getattr(self.generation_config, "do_sample", False))
             tokens, scores = choose_tokens(logits[:, :budget], input_ids, self.logits_processor, do_sample)
-            n = draft_length(scores, resolve_draft_confidence(drafter.draft_confidence, device))
+            n = draft_length(scores, self.draft_confidence, minimum=self.min_drafts)
             tokens, scores = tokens[:, :n], scores[:, :n]
             tokens, scores = tokens.to(input_ids.device), scores.to(input_ids.device)
         self.covered_end = length + tokens.shape[1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_dscale.cli import main
-from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, MIN_DRAFTS
+from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE
 
 from ..conftest import tiny_drafter, tiny_target
 from ..training.test_trainer import _tokenizer
@@ -55,10 +55,11 @@ def test_bench_draft_confidence_sets_the_verified_block(folders, tmp_path, confi
     report = json.loads(out.read_text())
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
     assert report["identical"] is True and report["draft_confidence"] == float(confidence)
+    assert report["min_drafts"] == (None if confidence == "0" else 4)  # 4: MIN_DRAFTS in the tests (conftest)
     if confidence == "0":
         assert report["verify_tokens"] == block_size  # no cut: every forward verifies a whole block
     else:
-        assert MIN_DRAFTS + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
+        assert 4 + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
 
 
 def test_bench_d2sd(folders, tmp_path):
@@ -173,6 +174,7 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
+    assert "draft_confidence 0.1, at least " in out  # the CPU's cut and the minimum measured for this target
 
 
 def test_train_dllm_then_bench_both_methods(tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
-from hf_dscale.generation import DecodeStats, custom_generate, d2sd, decode
+from hf_dscale.generation import DecodeStats, custom_generate, d2sd
 from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_prefixes
 from hf_dscale.generation.decode import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
@@ -297,7 +297,7 @@ def test_draft_confidence_caps_every_path_at_the_confident_head(target, policy, 
     kw = dict(max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=first, draft_confidence=0.5)
     tree = target.generate(ids, **kw, vp_drafter=vp, branch_policy=policy, dscale_stats=tree_stats)
     assert torch.equal(plain, tree)
-    assert len(heads) == len(trees) > 1 and min(heads) == decode.MIN_DRAFTS and max(heads) > decode.MIN_DRAFTS
+    assert len(heads) == len(trees) > 1 and min(heads) == 4 and max(heads) > 4
     for head, candidates in zip(heads, trees, strict=True):
         assert all(len(path) == head for path in candidates)
     block = target.generate(ids, **kw, dscale_stats=block_stats)

@@ -7,7 +7,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, MIN_DRAFTS, draft_length, resolve_draft_confidence
+from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, draft_length, resolve_draft_confidence
 from hf_dscale.models.dscale import assistant
 
 from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
@@ -173,7 +173,7 @@ def test_draft_length_is_the_confident_head_of_the_widest_active_row():
 
     rows = torch.stack((logits(0.9, 0.8, 0.6, 0.9, 0.9), logits(0.95, 0.95, 0.95, 0.95, 0.95)))
     assert draft_length(rows[:1], 0.5, minimum=1) == 2  # cumulative 0.9, 0.72, 0.43 -> the third falls below
-    assert draft_length(rows[:1], 0.5) == MIN_DRAFTS == 4  # never narrower than a cheap-to-verify block
+    assert draft_length(rows[:1], 0.5) == assistant.MIN_DRAFTS == 4  # no minimum given: MIN_DRAFTS (conftest)
     assert draft_length(rows, 0.5, minimum=1) == 5  # the second row keeps all five, and rows share the block
     assert draft_length(rows, 0.5, active=[True, False], minimum=1) == 2  # a finished row does not widen it
     assert draft_length(rows[:1], 0.95, minimum=0) == 1  # at least one draft
@@ -243,7 +243,7 @@ def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypa
         drafter.boost, drafter.draft_confidence = boost, confidence  # confidences spread over (0, 1)
         assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
     # Blocks cut to the minimum, more often than the two ends of the generations could, and not all alike.
-    assert widths.count(MIN_DRAFTS) > 2 and MIN_DRAFTS < max(widths) <= drafter.config.block_size - 1
+    assert widths.count(4) > 2 and 4 < max(widths) <= drafter.config.block_size - 1
 
 
 def test_draft_confidence_is_checked():

@@ -1,0 +1,118 @@
+"""The fewest drafts a confidence cut verifies: measured per target on a CPU, then used by every decoder."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.models.dscale import assistant
+
+from ..conftest import tiny_target
+from .test_exactness import _oracle, _prompt
+
+
+@pytest.fixture(autouse=True)
+def measured(monkeypatch):
+    """Undo conftest's fixed minimum, and start with nothing measured."""
+    monkeypatch.setattr(assistant, "MIN_DRAFTS", None)
+    monkeypatch.setattr(assistant, "_MEASURED_MIN_DRAFTS", weakref.WeakKeyDictionary())
+
+
+class CostedTarget(nn.Module):
+    """A stand-in target whose forward of w new tokens advances a fake clock by `cost[w]` (plus `spikes`)."""
+
+    def __init__(self, cost: dict[int, float], spikes: dict[int, float] | None = None, device: str = "cpu"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, device=device))
+        self.cost, self.spikes, self.now, self.calls = cost, dict(spikes or {}), 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self, input_ids, use_cache=False):
+        width = input_ids.shape[1]
+        self.calls.append(width)
+        self.now += self.cost[width] + self.spikes.pop(width, 0.0)  # a spike hits one forward only
+
+
+@pytest.mark.parametrize("cost, expected", [
+    # Cost grows with width, a jump at 4 (BLAS on one 2-core machine): 3 costs 6% more than 2, within 10%.
+    ({1: 42, 2: 47, 3: 50, 4: 69, 5: 71, 6: 76, 7: 90, 8: 97}, 3),
+    # Narrow forwards are the dear ones (another machine): 5 is cheapest and 6 within 10% of it.
+    ({1: 42, 2: 65, 3: 80, 4: 62, 5: 58, 6: 61, 7: 70, 8: 64}, 6),
+    # Flat, as on a GPU: the widest measured.
+    ({w: 20 for w in range(1, 9)}, 8),
+])
+def test_cheap_verify_width_is_the_widest_within_tolerance_of_the_cheapest(cost, expected):
+    target = CostedTarget(cost, spikes={3: 500, 5: 500, 8: 500})  # one slow forward each: the median ignores it
+    assert assistant.cheap_verify_width(target, clock=target.clock) == expected
+    assert target.calls[0] == 1 and sorted(target.calls[1:]) == sorted(list(range(2, 9)) * 3)  # warm-up, interleaved
+
+
+def test_min_drafts_for_measures_once_per_target_and_honours_the_override(monkeypatch):
+    widths = iter([3, 6])
+    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: next(widths))
+    first, second = tiny_target("llama"), tiny_target("llama")
+    assert assistant.min_drafts_for(first) == 2  # one less than the width: the anchor is verified too
+    assert assistant.min_drafts_for(first) == 2  # cached: the second width was not drawn
+    assert assistant.min_drafts_for(second) == 5
+    monkeypatch.setattr(assistant, "MIN_DRAFTS", 7)
+    assert assistant.min_drafts_for(first) == 7  # an int set by the user wins
+
+
+def test_min_drafts_off_the_cpu_is_the_fallback_without_measuring():
+    target = CostedTarget({}, device="meta")  # any forward would raise KeyError
+    assert assistant.min_drafts_for(target) == assistant.FALLBACK_MIN_DRAFTS
+    assert target.calls == []
+
+
+def test_draft_length_without_a_minimum_uses_the_fallback():
+    confident = torch.tensor([[[4.0, 0.0]] * 6])  # top probability 0.98 at every draft
+    unsure = torch.tensor([[[0.0, 0.0]] * 6])  # 0.5: the cumulative product falls below 0.3 at the second draft
+    assert assistant.draft_length(unsure, 0.3) == assistant.FALLBACK_MIN_DRAFTS == 4
+    assert assistant.draft_length(confident, 0.3) == 6
+    assert assistant.draft_length(unsure, 0.3, minimum=2) == 2
+
+
+def test_min_drafts_measured_on_the_real_tiny_target():
+    """No fake clock: a real measurement returns a width in range and is cached."""
+    target = tiny_target("llama")
+    n = assistant.min_drafts_for(target)
+    assert 1 <= n <= 7 and assistant.min_drafts_for(target) == n
+
+
+@pytest.mark.parametrize("path", ["custom_generate", "assistant_model"])
+def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
+    """With a cut, decoding asks min_drafts_for(target) once and never verifies fewer drafts; output is exact."""
+    measured = []
+    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: measured.append(target) or 3)
+    target = tiny_target("llama")
+    widths = []
+    ids, _ = _prompt(1, 9, seed=1)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+    drafter = _oracle(target, plain, None, 0.25, seed=1)
+    drafter.boost = 7.0  # confidences spread over (0, 1), so the cut often falls below the minimum
+    if path == "custom_generate":
+        stats = DecodeStats()
+        out = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate,
+                              drafter=drafter, draft_confidence=0.5, dscale_stats=stats)
+        widths = [v - 1 for v in stats.verified[:-1]]  # drafts per forward; the last block may be cut by the budget
+    else:
+        get_candidates = assistant.DScaleCandidateGenerator.get_candidates
+
+        def spy(self, input_ids, **kwargs):
+            sequences, scores = get_candidates(self, input_ids, **kwargs)
+            widths.append(sequences.shape[1] - input_ids.shape[1])
+            return sequences, scores
+
+        monkeypatch.setattr(assistant.DScaleCandidateGenerator, "get_candidates", spy)
+        drafter.draft_confidence = 0.5
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=60, do_sample=False)
+        widths = widths[1:-1]  # the first call proposes one token (no target features yet); the last is budget-cut
+    assert torch.equal(plain, out)
+    assert measured == [target]
+    assert min(widths) == 2 and widths.count(2) >= 2 and max(widths) > 3  # never the fallback 4 drafts here
