@@ -22,8 +22,6 @@ import torch
 
 from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives with the drafter's remote code)
     CPU_DRAFT_CONFIDENCE,
-    FALLBACK_MIN_DRAFTS,
-    MIN_DRAFTS,
     TapRecorder,
     choose_tokens,
     draft_length,

@@ -223,10 +223,8 @@ def test_draft_confidence_defaults_to_a_cut_on_the_cpu_only():
         resolve_draft_confidence(-0.1, "cpu")
 
 
-@pytest.mark.parametrize("confidence, boost", [(None, 5.0), (0.5, 7.0)])
-def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypatch):
-    """`generate(assistant_model=drafter)` cuts blocks like custom_generate (by default on the CPU), exactly."""
-    target = tiny_target("llama")
+def record_candidate_widths(monkeypatch) -> list[int]:
+    """A list that fills with the number of drafts each `assistant_model=` call proposes."""
     widths = []
     get_candidates = assistant.DScaleCandidateGenerator.get_candidates
 
@@ -236,6 +234,14 @@ def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypa
         return sequences, scores
 
     monkeypatch.setattr(assistant.DScaleCandidateGenerator, "get_candidates", spy)
+    return widths
+
+
+@pytest.mark.parametrize("confidence, boost", [(None, 5.0), (0.5, 7.0)])
+def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypatch):
+    """`generate(assistant_model=drafter)` cuts blocks like custom_generate (by default on the CPU), exactly."""
+    target = tiny_target("llama")
+    widths = record_candidate_widths(monkeypatch)
     for seed in range(2):
         ids, _ = _prompt(1, 8 + 3 * seed, seed)
         plain = target.generate(ids, max_new_tokens=30, do_sample=False)

@@ -12,7 +12,7 @@ from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.models.dscale import assistant
 
 from ..conftest import tiny_target
-from .test_exactness import _oracle, _prompt
+from .test_exactness import _oracle, _prompt, record_candidate_widths
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,6 @@ def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
     measured = []
     monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: measured.append(target) or 3)
     target = tiny_target("llama")
-    widths = []
     ids, _ = _prompt(1, 9, seed=1)
     plain = target.generate(ids, max_new_tokens=60, do_sample=False)
     drafter = _oracle(target, plain, None, 0.25, seed=1)
@@ -102,14 +101,7 @@ def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
                               drafter=drafter, draft_confidence=0.5, dscale_stats=stats)
         widths = [v - 1 for v in stats.verified[:-1]]  # drafts per forward; the last block may be cut by the budget
     else:
-        get_candidates = assistant.DScaleCandidateGenerator.get_candidates
-
-        def spy(self, input_ids, **kwargs):
-            sequences, scores = get_candidates(self, input_ids, **kwargs)
-            widths.append(sequences.shape[1] - input_ids.shape[1])
-            return sequences, scores
-
-        monkeypatch.setattr(assistant.DScaleCandidateGenerator, "get_candidates", spy)
+        widths = record_candidate_widths(monkeypatch)
         drafter.draft_confidence = 0.5
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=60, do_sample=False)
         widths = widths[1:-1]  # the first call proposes one token (no target features yet); the last is budget-cut

@@ -168,7 +168,6 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     return min(k, max(minimum, 1, longest))
 
 
-
 class DScaleCandidateGenerator(CandidateGenerator):
     """transformers' `CandidateGenerator` contract for a DScale/DFlash drafter (batch size 1).
 
