@@ -51,7 +51,7 @@ def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import min_drafts_for, resolve_draft_confidence
+    from ..generation.decode import cut_minimum, resolve_draft_confidence
     from ..training.data import read_prompts, render_prompt
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
@@ -72,7 +72,7 @@ def main(args) -> int:
     report = result.to_json()
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  draft_confidence=confidence, min_drafts=min_drafts_for(target) if confidence > 0 else None,
+                  draft_confidence=confidence, min_drafts=cut_minimum(target, confidence),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
                   dtype=str(target.dtype))

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--vp-beta", type=float, default=None, help="train a variable-prefix drafter with this prior")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="the drafter proposes from this many of the data's most frequent tokens plus each sequence's "
-                        "own (a faster draft; verification is unchanged); 0 = the whole vocabulary")
+                        "own (a faster draft; verification is unchanged), then, with --init-from, the starting "
+                        "drafter's; 0 = the whole vocabulary")
     p.add_argument("--full-vocab-loss", action="store_true",
                    help="score the whole vocabulary in the loss (default: the draft vocabulary plus each sequence's "
                         "own tokens, what decoding proposes from; about 3x cheaper on a CPU)")

@@ -24,6 +24,7 @@ from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives wit
     CPU_DRAFT_CONFIDENCE,
     TapRecorder,
     choose_tokens,
+    cut_minimum,
     draft_length,
     min_drafts_for,
     resolve_draft_confidence,
@@ -132,7 +133,7 @@ class _Decoder:
                  draft_confidence: float = 0.0):
         self.target, self.drafter, self.rows = target, drafter, rows
         self.draft_confidence = draft_confidence
-        self.min_drafts = min_drafts_for(target) if draft_confidence > 0 else None  # measured before the hooks
+        self.min_drafts = cut_minimum(target, draft_confidence)  # measured before the hooks
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)

@@ -233,3 +233,14 @@ def frequent_tokens(folder: str, size: int) -> torch.Tensor:
     counts = torch.bincount(torch.cat(ids))
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[: min(size, int((counts > 0).sum()))]
+
+
+def top_up(tokens: torch.Tensor, more: torch.Tensor, size: int) -> torch.Tensor:
+    """`tokens`, then those of `more` not among them (in their order), `size` at most.
+
+    A drafter trained further on a new data folder keeps its old draft vocabulary this way where the
+    folder's own frequent tokens leave room: a small folder would otherwise shrink what it can propose.
+    """
+    seen = set(tokens.tolist())
+    extra = [t for t in more.tolist() if t not in seen]
+    return torch.cat([tokens.cpu(), torch.tensor(extra, dtype=torch.long)])[:size]

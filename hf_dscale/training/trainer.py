@@ -22,7 +22,7 @@ import torch
 
 from ..models import DScaleDrafter
 from ..models.dscale.assistant import TapRecorder
-from .data import Sample, frequent_tokens, load_meta, padded_taps, read_shard, shard_names
+from .data import Sample, frequent_tokens, load_meta, padded_taps, read_shard, shard_names, top_up
 from .losses import block_attention_mask, build_blocks, sample_anchors, sample_prefix_lengths, weighted_cross_entropy
 
 
@@ -231,8 +231,15 @@ def train_drafter(
 
     drafter.bind_target(target)
     drafter.config.prefix_prior = cfg.vp_beta  # marks a variable-prefix (D²SD second) drafter in its config
-    # Decoding proposes from the draft vocab; the loss scores it too unless cfg.full_vocab_loss.
-    drafter.set_draft_vocab(frequent_tokens(data_dir, cfg.draft_vocab) if cfg.draft_vocab else None)
+    # Decoding proposes from the draft vocab; the loss scores it too unless cfg.full_vocab_loss. A drafter that
+    # already has one (--init-from) keeps its tokens after the data's own, up to the size.
+    if cfg.draft_vocab:
+        tokens = frequent_tokens(data_dir, cfg.draft_vocab)
+        if drafter.draft_vocab is not None:
+            tokens = top_up(tokens, drafter.draft_vocab, cfg.draft_vocab)
+        drafter.set_draft_vocab(tokens)
+    else:
+        drafter.set_draft_vocab(None)
     for p in target.parameters():
         p.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()

@@ -106,6 +106,11 @@ def min_drafts_for(target: nn.Module) -> int:
     return _MEASURED_MIN_DRAFTS[target]
 
 
+def cut_minimum(target: nn.Module, draft_confidence: float) -> int | None:
+    """`min_drafts_for(target)` when a cut is in force (`draft_confidence > 0`), else None (whole blocks)."""
+    return min_drafts_for(target) if draft_confidence > 0 else None
+
+
 @torch.no_grad()
 def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
                        clock=time.perf_counter) -> int:
@@ -181,7 +186,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.generation_config = generation_config
         self.logits_processor = logits_processor
         self.draft_confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
-        self.min_drafts = min_drafts_for(drafter.target) if self.draft_confidence > 0 else None  # before the hooks
+        self.min_drafts = cut_minimum(drafter.target, self.draft_confidence)  # measured before the hooks
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
         self.cache = DraftContextCache(drafter.config.num_hidden_layers)
         self.context_len = 0  # sequence positions whose features the drafter has ingested

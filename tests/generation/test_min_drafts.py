@@ -64,6 +64,15 @@ def test_min_drafts_for_measures_once_per_target_and_honours_the_override(monkey
     assert assistant.min_drafts_for(first) == 7  # an int set by the user wins
 
 
+def test_cut_minimum_measures_only_when_there_is_a_cut(monkeypatch):
+    widths = iter([4])
+    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: next(widths))
+    target = tiny_target("llama")
+    assert assistant.cut_minimum(target, 0.0) is None  # whole blocks: nothing measured
+    assert target not in assistant._MEASURED_MIN_DRAFTS
+    assert assistant.cut_minimum(target, 0.1) == 3 == assistant.min_drafts_for(target)
+
+
 def test_min_drafts_off_the_cpu_is_the_fallback_without_measuring():
     target = CostedTarget({}, device="meta")  # any forward would raise KeyError
     assert assistant.min_drafts_for(target) == assistant.FALLBACK_MIN_DRAFTS

@@ -17,6 +17,7 @@ from hf_dscale.training.data import (
     generate_data,
     iter_samples,
     load_meta,
+    top_up,
 )
 from hf_dscale.training.losses import weighted_cross_entropy
 from hf_dscale.training import trainer
@@ -109,6 +110,22 @@ def test_training_learns_and_the_result_decodes_exactly(data, tmp_path):
     spec = target.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=custom_generate,
                            drafter=loaded, dscale_stats=stats)
     assert torch.equal(plain, spec)
+
+
+def test_a_continued_drafter_keeps_its_draft_vocab_after_the_datas_own(data, tmp_path):
+    target, folder = data
+    own = frequent_tokens(folder, 10_000)  # every response token of the folder
+    unseen = [t for t in range(VOCAB) if t not in set(own.tolist())]
+    old = torch.tensor([int(own[0])] + unseen[:3])  # one the data has, three it lacks
+    assert len(unseen) >= 3
+    size = len(own) + 2
+    drafter = tiny_drafter(target, block_size=4, seed=0)
+    drafter.set_draft_vocab(old)  # as if loaded with --init-from
+    cfg = TrainConfig(steps=1, grad_accum=1, num_anchors=4, draft_vocab=size)
+    trained = train_drafter(drafter, target, folder, str(tmp_path / "run"), cfg)
+    assert trained.draft_vocab.tolist() == own.tolist() + unseen[:2]  # the data's first, then the old ones, capped
+    assert DScaleDrafter.from_pretrained(tmp_path / "run").draft_vocab.tolist() == trained.draft_vocab.tolist()
+    assert top_up(own[:3], old, 2).tolist() == own[:2].tolist()  # no room: the data's own only
 
 
 def test_loss_over_the_draft_vocab_is_the_cross_entropy_restricted_to_what_decoding_proposes(data, monkeypatch):
