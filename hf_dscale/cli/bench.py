@@ -28,14 +28,21 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def _plot(histogram: dict, path: str, title: str) -> None:
+def _pyplot():
+    """matplotlib's pyplot on a file-only backend; checked before a bench starts, not after it has run."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from error
+        raise ValueError('--plot needs matplotlib: pip install matplotlib (or hf_dscale[plot]), or leave out --plot') \
+            from error
+    return plt
+
+
+def _plot(histogram: dict, path: str, title: str) -> None:
+    plt = _pyplot()
     keys = sorted(int(k) for k in histogram)
     plt.figure(figsize=(6, 3.5))
     plt.bar(keys, [histogram[str(k)] for k in keys])
@@ -56,6 +63,8 @@ def main(args) -> int:
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); --method dscale takes none.")
+    if args.plot:
+        _pyplot()
     target, tokenizer, drafter = load_models(args)
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     extra = {"draft_confidence": confidence}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -95,6 +96,16 @@ def test_d2sd_without_vp_drafter_is_a_clear_error(folders, capsys):
                  "--method", "d2sd", "--prompts", PROMPTS])
     assert code == 2
     assert "--vp-drafter" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_the_bench_runs(folders, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it sees: ImportError
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompts", PROMPTS, "--limit", "1", "--max-new-tokens", "4", "--json", str(out),
+                 "--plot", str(tmp_path / "tau.png")])
+    assert code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+    assert not out.exists()  # nothing was benched: the check comes first
 
 
 def test_train_then_card(folders, tmp_path):
