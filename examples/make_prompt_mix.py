@@ -13,17 +13,14 @@ import json
 import os
 import re
 
+from hf_dscale.training.data import read_prompts
+
 # A ShareGPT turn counts as code-related when it names a language, a tool or a programming word.
 CODE = re.compile(
     r"\b(python|java|javascript|typescript|c\+\+|c#|rust|golang|sql|html|css|react|node\.?js|bash|shell script|"
     r"regex|json|api|function|code|coding|program|script|class|compile|debug|bug|algorithm|implement)\b",
     re.IGNORECASE,
 )
-
-
-def read(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def mix(gsm8k: list[dict], sharegpt: list[dict], per_code: int = 2) -> list[dict]:
@@ -44,8 +41,8 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--per-code", type=int, default=2, help="GSM8K questions per code-related ShareGPT turn")
 args = parser.parse_args()
 
-rows = mix(read(os.path.join(args.data, "train_gsm8k_prompts.jsonl")),
-           read(os.path.join(args.data, "train_sharegpt_prompts.jsonl")), args.per_code)
+rows = mix(read_prompts(os.path.join(args.data, "train_gsm8k_prompts.jsonl")),
+           read_prompts(os.path.join(args.data, "train_sharegpt_prompts.jsonl")), args.per_code)
 with open(args.out, "w") as f:
     for row in rows:
         f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")

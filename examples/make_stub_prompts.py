@@ -15,17 +15,14 @@ import json
 import os
 import textwrap
 
+from hf_dscale.training.data import read_prompts
+
 # (signature, doctest line) pairs, rotated so that not every stub looks the same.
 STUBS = [
     ("def solve() -> int:", ""),
     ("def answer() -> float:", ">>> answer()"),
     ("def compute_result():", ""),
 ]
-
-
-def read(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def as_stub(question: str, i: int) -> str:
@@ -42,8 +39,8 @@ parser.add_argument("--plain-from", type=int, default=3567, help="first GSM8K ro
 parser.add_argument("--plain-skip", default="4411:7035", help="GSM8K row range (start:stop) not to use as plain prompts")
 args = parser.parse_args()
 
-gsm8k = read(os.path.join(args.data, "train_gsm8k_prompts.jsonl"))
-math = read(os.path.join(args.data, "train_math_prompts.jsonl"))
+gsm8k = read_prompts(os.path.join(args.data, "train_gsm8k_prompts.jsonl"))
+math = read_prompts(os.path.join(args.data, "train_math_prompts.jsonl"))
 skip = range(*map(int, args.plain_skip.split(":")))
 plain = [row for i, row in enumerate(gsm8k) if i >= args.plain_from and i not in skip]
 rows = []
