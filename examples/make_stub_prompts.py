@@ -8,6 +8,10 @@ in Python, so its self-distilled answers are code. Rows alternate: a GSM8K quest
 question as it is (from `--plain-from` on, ids the earlier mixes did not reach), a MATH problem as a stub, a
 GSM8K question as it is, ... Deterministic, so a data folder built from it resumes by prompt id. Only
 `train_*` files are read; stub rows get ids prefixed with `stub-`.
+
+When the plain questions run out, `--stubs-after` appends stubs alone (a GSM8K question, then a MATH problem)
+from that row index of each file on (never before the first row the interleave left unposed), for a mix with
+more code than the interleave allows.
 """
 
 import argparse
@@ -37,6 +41,8 @@ parser.add_argument("--data", required=True, help="folder with train_gsm8k_promp
 parser.add_argument("--out", required=True)
 parser.add_argument("--plain-from", type=int, default=3567, help="first GSM8K row index used as a plain prompt")
 parser.add_argument("--plain-skip", default="4411:7035", help="GSM8K row range (start:stop) not to use as plain prompts")
+parser.add_argument("--stubs-after", type=int, default=None,
+                    help="after the interleave, append GSM8K and MATH stubs alone from this row index on")
 args = parser.parse_args()
 
 gsm8k = read_prompts(os.path.join(args.data, "train_gsm8k_prompts.jsonl"))
@@ -49,6 +55,10 @@ for i in range(min(len(plain) // 2, len(math), args.plain_from)):
     rows.append(plain[2 * i])
     rows.append({"id": "stub-" + math[i]["id"], "prompt": as_stub(math[i]["prompt"], i)})
     rows.append(plain[2 * i + 1])
+if args.stubs_after is not None:
+    for i in range(max(args.stubs_after, len(rows) // 4), min(len(gsm8k), len(math))):
+        rows.append({"id": "stub-" + gsm8k[i]["id"], "prompt": as_stub(gsm8k[i]["prompt"], i)})
+        rows.append({"id": "stub-" + math[i]["id"], "prompt": as_stub(math[i]["prompt"], i)})
 with open(args.out, "w") as f:
     for row in rows:
         f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")

@@ -44,3 +44,16 @@ def test_a_stub_is_a_function_whose_docstring_is_the_question(tmp_path):
         assert docstring == " ".join(asked.split())
         assert max(len(line) for line in row["prompt"].splitlines()) <= 96
     assert {row["prompt"].splitlines()[0] for row in rows[0::2]} >= {"def solve() -> int:", "def answer() -> float:"}
+
+
+def test_stubs_after_appends_stubs_alone_once_the_plain_questions_run_out(tmp_path):
+    _write(tmp_path / "train_gsm8k_prompts.jsonl", [f"How many apples are in basket {i}?" for i in range(8)], "g")
+    _write(tmp_path / "train_math_prompts.jsonl", [f"Find $x$ if $x + {i} = 7$." for i in range(5)], "m")
+    interleaved = _stubs(tmp_path, "--plain-from", "4", "--plain-skip", "0:0")
+    rows = _stubs(tmp_path, "--plain-from", "4", "--plain-skip", "0:0", "--stubs-after", "3", name="more.jsonl")
+    # the interleave is unchanged (stubs of rows 0, 1); then stubs alone from row 3, not repeating 0-2
+    assert rows[: len(interleaved)] == interleaved
+    assert [row["id"] for row in rows[len(interleaved):]] == ["stub-g3", "stub-m3", "stub-g4", "stub-m4"]
+    # a start inside the interleave still begins after it, so no stub is posed twice
+    again = _stubs(tmp_path, "--plain-from", "4", "--plain-skip", "0:0", "--stubs-after", "0", name="again.jsonl")
+    assert [row["id"] for row in again[len(interleaved):]][:2] == ["stub-g2", "stub-m2"]
