@@ -64,7 +64,7 @@ class OracleDrafter(DScaleDrafter):
     boost: float = 30.0  # logit added to the proposed token: 30 = a near one-hot q, a few units = a smooth one
 
     def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
-                     vocab=None):
+                     vocab=None, compact=False):
         real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid,
                                     vocab)
         logits = torch.randn_like(real)
@@ -76,12 +76,15 @@ class OracleDrafter(DScaleDrafter):
                 if torch.rand(()) < self.error_rate:
                     token = int(torch.randint(0, real.shape[-1], ()))
                 logits[b, k, token] += self.boost
-        return restrict(logits, vocab)
+        return restrict(logits, vocab, compact)
 
 
-def restrict(logits: torch.Tensor, vocab) -> torch.Tensor:
-    """A proposal confined to a `DraftVocab` (None: the whole vocabulary), as the real drafter's is."""
-    return logits if vocab is None else logits.masked_fill(~vocab.member, float("-inf"))
+def restrict(logits: torch.Tensor, vocab, compact: bool = False) -> torch.Tensor:
+    """A proposal confined to a `DraftVocab` (None: the whole vocabulary), as the real drafter's is; `compact`
+    keeps only the vocabulary's columns, in its order, as `DScaleDrafter.block_logits(compact=True)` does."""
+    if vocab is None:
+        return logits
+    return logits[..., vocab.ids] if compact else logits.masked_fill(~vocab.member, float("-inf"))
 
 
 def oracle_from(sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[int]]:

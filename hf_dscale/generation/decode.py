@@ -105,10 +105,17 @@ def _process(logits: torch.Tensor, rows: _Rows, block: torch.Tensor | None, proc
 
 
 def _draft(drafter, rows, anchors, taps, anchor_pos, ctx_pos, dcache, valid, processors, do_sample, vocab=None):
-    """Draft ids [B, K] and the drafter's processed logits [B, K, V] (the q they were drawn from)."""
-    logits = drafter.draft_logits(anchors[:, None], taps, anchor_pos, ctx_pos, dcache, valid, vocab)
-    if not processors and not do_sample:
-        return choose_tokens(logits, anchors[:, None])
+    """Draft ids [B, K] and the drafter's processed logits [B, K, V] (the q they were drawn from).
+
+    Greedy without logits processors, a drafter with a draft vocabulary gives its logits over that vocabulary
+    only ([B, K, len(vocab.ids)]): greedy acceptance reads only the ids, and the cut only the top probabilities,
+    which are the same as over the whole vocabulary (-inf elsewhere), at a fraction of the cost.
+    """
+    greedy = not processors and not do_sample
+    logits = drafter.draft_logits(anchors[:, None], taps, anchor_pos, ctx_pos, dcache, valid, vocab, compact=greedy)
+    if greedy:
+        tokens, logits = choose_tokens(logits, anchors[:, None])
+        return (tokens if vocab is None else vocab.ids[tokens]), logits
     picked = [
         choose_tokens(logits[b : b + 1], rows.sequence(b), rows.processors_for(processors, b), do_sample)
         for b in range(logits.shape[0])

@@ -159,7 +159,7 @@ class _ConfidentOracle(OracleDrafter):
     """An oracle first drafter whose wrong tokens come with low confidence (as a calibrated drafter's)."""
 
     def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
-                     vocab=None):
+                     vocab=None, compact=False):
         real = DScaleDrafter.draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache,
                                           context_valid, vocab)  # the real forward keeps the caches honest
         logits = torch.zeros_like(real)
@@ -171,14 +171,14 @@ class _ConfidentOracle(OracleDrafter):
                 logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 1.0  # wrong and unsure
             else:
                 logits[0, k, right] += 30.0
-        return restrict(logits, vocab)
+        return restrict(logits, vocab, compact)
 
 
 class _OracleVP(OracleDrafter):
     """An oracle variable-prefix drafter: fills every row's masked positions with the reference."""
 
     def block_logits(self, block_ids, anchor_positions, taps, context_position_ids, cache, context_valid=None,
-                     vocab=None):
+                     vocab=None, compact=False):
         real = super().block_logits(block_ids, anchor_positions, taps, context_position_ids, cache, context_valid,
                                     vocab)
         logits = torch.zeros_like(real)
@@ -190,7 +190,7 @@ class _OracleVP(OracleDrafter):
                 if torch.rand(()) < self.error_rate:
                     token = int(torch.randint(0, real.shape[-1], ()))
                 logits[r, k, token] += 30.0
-        return restrict(logits, vocab)
+        return restrict(logits, vocab, compact)
 
 
 def _pair(target, reference, error_rate=0.3, vp_error_rate=0.0, block_size=8):

@@ -22,9 +22,9 @@ class RecordingDrafter(DScaleDrafter):
     calls: list
 
     def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
-                     vocab=None):
+                     vocab=None, compact=False):
         logits = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid,
-                                      vocab)
+                                      vocab, compact)
         self.calls.append((anchor_ids[:, 0].clone(), anchor_positions.clone(), logits.clone()))
         return logits
 

@@ -27,6 +27,9 @@ def test_logits_are_the_heads_on_the_set_and_minus_inf_elsewhere():
     inside = vocab.member
     torch.testing.assert_close(part[..., inside], full[..., inside])
     assert bool(torch.isneginf(part[..., ~inside]).all())
+    compact = vocab.compact_logits(hidden)  # the set's columns only, in the order of `ids`
+    assert compact.shape == (2, 4, 2005)
+    torch.testing.assert_close(compact, full[..., vocab.ids])
 
 
 def test_drafter_proposes_only_from_its_vocab_and_the_context():
@@ -46,6 +49,9 @@ def test_drafter_proposes_only_from_its_vocab_and_the_context():
     full, part = drafter.draft_logits(*args), drafter.draft_logits(*args, vocab=vocab)
     torch.testing.assert_close(part[..., vocab.ids], full[..., vocab.ids])
     assert set(part.argmax(-1).flatten().tolist()) <= {7, 8, 40, 41, 42}
+    compact = drafter.draft_logits(*args, vocab=vocab, compact=True)
+    torch.testing.assert_close(compact, full[..., vocab.ids])
+    assert torch.equal(vocab.ids[compact.argmax(-1)], part.argmax(-1))  # the same greedy proposal
 
 
 def test_set_draft_vocab_checks_and_round_trips(tmp_path):
