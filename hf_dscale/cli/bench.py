@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..generation.d2sd import BRANCH_POLICIES
-from .common import add_model_args, emit_report, load_drafter, load_models
+from .common import add_cut_arg, add_model_args, emit_report, load_drafter, load_models
 
 
 def add_parser(sub) -> None:
@@ -16,10 +16,7 @@ def add_parser(sub) -> None:
                    help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
-    p.add_argument("--draft-confidence", type=float, default=None,
-                   help="verify only the head of each block whose cumulative drafter confidence is at least this "
-                        "(0 = the whole block; d2sd: the token tree's depth; default 0.1 on a CPU, where wide "
-                        "verifies cost more, 0 on a GPU)")
+    add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -58,7 +55,8 @@ def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import cut_minimum, resolve_draft_confidence
+    from ..generation.decode import AUTO, CPU_DRAFT_CONFIDENCE, cut_minimum, resolve_draft_confidence
+    from ..models.dscale.assistant import verify_costs_for
     from ..training.data import read_prompts, render_prompt
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
@@ -67,6 +65,8 @@ def main(args) -> int:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
+    if args.method == "d2sd" and confidence == AUTO:
+        confidence = CPU_DRAFT_CONFIDENCE  # what D²SD's trees use for "auto"
     extra = {"draft_confidence": confidence}
     if args.method == "d2sd":
         extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
@@ -82,6 +82,8 @@ def main(args) -> int:
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                   draft_confidence=confidence, min_drafts=cut_minimum(target, confidence),
+                  verify_costs_ms=None if confidence != AUTO else {  # measured once before the run; not again
+                      str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, drafter.config.block_size).items()},
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
                   dtype=str(target.dtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -31,6 +32,36 @@ def add_model_args(p, drafter_default=None) -> None:
                    help="drafter folder (DScale, DFlash or DFlare layout)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
+
+
+def add_cut_arg(p, tree: bool = False) -> None:
+    """--draft-confidence: how much of each block to verify ("auto" or a number)."""
+    tree_note = "; d2sd: the token tree's depth, auto = 0.1" if tree else ""
+    p.add_argument("--draft-confidence", type=_cut, default=None,
+                   help="how much of each block to verify: auto = the head with the most tokens expected per second "
+                        "of verify (measured once for the target), a number in (0, 1) = the head whose cumulative "
+                        f"drafter confidence is at least it, 0 = the whole block{tree_note} (default auto on a CPU, "
+                        "where wide verifies cost more; 0 on a GPU)")
+
+
+def _cut(value: str) -> float | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
+
+
+def describe_cut(confidence, target) -> str:
+    """The cut in words, for the CLI's summary lines."""
+    from ..generation.decode import AUTO, min_drafts_for
+
+    if confidence == AUTO:
+        return "draft_confidence auto: the head with the most tokens expected per second of verify"
+    if confidence > 0:
+        return f"draft_confidence {confidence}, at least {min_drafts_for(target)} drafts"
+    return "draft_confidence 0: whole blocks"
 
 
 def load_models(args):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import DEFAULT_DRAFTER, add_model_args, load_models
+from .common import DEFAULT_DRAFTER, add_cut_arg, add_model_args, describe_cut, load_models
 
 DEFAULT_PROMPT = (
     "A baker makes 14 loaves of bread in the morning and twice as many in the afternoon. "
@@ -15,9 +15,7 @@ def add_parser(sub) -> None:
     add_model_args(p, drafter_default=DEFAULT_DRAFTER)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-confidence", type=float, default=None,
-                   help="verify only the head of each block whose cumulative drafter confidence is at least this "
-                        "(default 0.1 on a CPU, where wide verifies cost more; 0 on a GPU = the whole block)")
+    add_cut_arg(p)
     p.set_defaults(func=main)
 
 
@@ -25,7 +23,7 @@ def main(args) -> int:
     import torch
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import min_drafts_for, resolve_draft_confidence
+    from ..generation.decode import resolve_draft_confidence
     from ..training.data import render_prompt
 
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
@@ -34,7 +32,7 @@ def main(args) -> int:
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
     report = result.to_json()
-    cut = f"draft_confidence {confidence}" + (f", at least {min_drafts_for(target)} drafts" if confidence > 0 else "")
+    cut = describe_cut(confidence, target)
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
           f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")

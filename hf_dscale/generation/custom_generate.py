@@ -36,7 +36,7 @@ def generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
-    draft_confidence: float | None = None,
+    draft_confidence: float | str | None = None,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -51,10 +51,13 @@ def generate(
             the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
             starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
             drafter's argmax everywhere, as in the paper).
-        draft_confidence: verify only the head of each block whose cumulative drafter confidence is at
-            least this (0 = the whole block); with `vp_drafter`, every path of the token tree stops at
-            that depth. Worth it where a wide verify costs more than a narrow one (the CPU); output is
-            unchanged. Default: `drafter.draft_confidence` if set, else 0.1 on a CPU and 0 on a GPU.
+        draft_confidence: how much of each block to verify, worth cutting where a wide verify costs more
+            than a narrow one (the CPU); output is unchanged. "auto": the head with the most tokens expected
+            per second, from the drafter's confidences and the target's verify costs (measured once, ~3 s
+            on a small CPU); a number in (0, 1): the head whose cumulative drafter confidence is at least
+            it; 0: the whole block. With `vp_drafter`, every path of the token tree stops at that depth
+            ("auto" = 0.1 there). Default: `drafter.draft_confidence` if set, else "auto" on a CPU and 0
+            on a GPU.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:

@@ -23,7 +23,8 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
    as their next context.
 
 With `draft_confidence` c > 0 every path of the tree stops at the depth where the first drafter's
-cumulative confidence falls below c (at least `min_drafts_for(target)`, as in single-drafter decoding): boundaries
+cumulative confidence falls below c (at least `min_drafts_for(target)`, as in single-drafter decoding; "auto",
+the CPU's default, is c = `CPU_DRAFT_CONFIDENCE` here, since a tree's verify width is not a chain's): boundaries
 are picked inside that head and branches end there too. That is for hardware where a wide verify costs
 more than a narrow one (a CPU): on SmolLM2 with K = 2 the tree holds about 12 tokens instead of 73 and
 keeps about half of D²SD's τ gain. The depth comes from confidences, never from drawn tokens, so
@@ -40,7 +41,7 @@ from ..kernels.hf_attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
-from .decode import _commit, _Decoder, _Rows, draft_length, lay_out, resolve_draft_confidence
+from .decode import AUTO, CPU_DRAFT_CONFIDENCE, _commit, _Decoder, _Rows, lay_out, resolve_draft_confidence
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -121,7 +122,7 @@ class _TreeDecoder(_Decoder):
         anchor = self.anchors[:, None]
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
                                            self.dcache, valid, self.vocab)[0].float()
-        depth = draft_length(logits[None], self.draft_confidence, minimum=self.min_drafts)  # drafts on every path
+        depth = self.cut.length(logits[None])  # drafts on every path
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
@@ -214,7 +215,7 @@ def tree_generate(
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
-    draft_confidence: float | None = None,
+    draft_confidence: float | str | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
@@ -223,13 +224,15 @@ def tree_generate(
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
-    None: the device's default (`decode.resolve_draft_confidence`).
+    "auto" is `CPU_DRAFT_CONFIDENCE` here; None: the device's default (`decode.resolve_draft_confidence`).
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
     draft_confidence = resolve_draft_confidence(draft_confidence, input_ids.device)
+    if draft_confidence == AUTO:
+        draft_confidence = CPU_DRAFT_CONFIDENCE
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(

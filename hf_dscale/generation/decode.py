@@ -9,8 +9,10 @@ Position ids count only a row's valid tokens, so every row sees exactly the sequ
 Logits processors and stopping criteria see each row's sequence as plain `generate()` lays it out
 (left-padded prompt + generated tokens), one row and one position at a time.
 
-Where a wide verify costs more than a narrow one (a CPU: 16 tokens ~2x one), `draft_confidence` verifies
-only the drafts the drafter is confident of (by default on a CPU); see `draft_length`.
+Where a wide verify costs more than a narrow one (a CPU: 16 tokens ~2x one), only the head of each block
+is verified (by default on a CPU): the one with the most tokens expected per second of the cycle
+(`draft_confidence="auto"`, `throughput_length`), or the drafts above a cumulative confidence (a number;
+`draft_length`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from dataclasses import dataclass
 import torch
 
 from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives with the drafter's remote code)
+    AUTO,
     CPU_DRAFT_CONFIDENCE,
+    DraftCut,
     TapRecorder,
     choose_tokens,
     cut_minimum,
     draft_length,
     min_drafts_for,
     resolve_draft_confidence,
+    throughput_length,
 )
 from ..models.dscale.modeling_dscale import DraftContextCache
 from ..models.dscale import compat
@@ -137,15 +142,16 @@ class _Decoder:
     """The loop's fixed parts (models, caches, processors) and its moving state (columns, anchors)."""
 
     def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids=None,
-                 draft_confidence: float = 0.0):
+                 draft_confidence: float | str = 0.0):
         self.target, self.drafter, self.rows = target, drafter, rows
-        self.draft_confidence = draft_confidence
-        self.min_drafts = cut_minimum(target, draft_confidence)  # measured before the hooks
+        self.cut = DraftCut.for_target(target, draft_confidence, drafter.config.block_size,
+                                       rows.prompt.shape[0])  # measured before the hooks
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
         self.recorder = TapRecorder(target, layer_ids or drafter.config.target_layer_ids)
         self.stats = DecodeStats()
+        self.overhead_s = 0.0  # drafting and bookkeeping of the cycles so far: what the throughput cut adds to a verify
         self.vocab = None  # the drafter's proposal set (`DraftVocab`), built at prefill
         self.row_ids = list(range(rows.prompt.shape[0]))  # the rows this decoder advances, in batch order
         # Moving state: valid [B, C] over cache columns; each row's anchor (last committed token, not yet
@@ -178,7 +184,8 @@ class _Decoder:
         draft_ids, q_logits = _draft(self.drafter, self.rows, self.anchors, self.taps, self.anchor_pos,
                                      self.ctx_pos, self.dcache, self.valid, self.processors, self.do_sample,
                                      self.vocab)
-        n = draft_length(q_logits, self.draft_confidence, [not f for f in self.rows.finished], self.min_drafts)
+        overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
+        n = self.cut.length(q_logits, [not f for f in self.rows.finished], overhead)
         draft_ids, q_logits = draft_ids[:, :n], q_logits[:, :n]
         gamma = n + 1  # the verified block: anchor + n drafts
         t1 = time.perf_counter()
@@ -216,9 +223,11 @@ class _Decoder:
         self.anchor_pos = self.anchor_pos + num_accepted + 1
         self.stats.cycles += 1
         self.stats.verified.append(gamma)
+        t3 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
-        self.stats.other_s += time.perf_counter() - t2
+        self.stats.other_s += t3 - t2
+        self.overhead_s += (t1 - t0) + (t3 - t2)
 
 
 @torch.no_grad()
@@ -233,13 +242,13 @@ def speculative_generate(
     pad_token_id: int = 0,
     cache=None,
     streamer=None,
-    draft_confidence: float | None = None,
+    draft_confidence: float | str | None = None,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """Decode until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
     Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `draft_confidence`
-    in (0, 1) verifies only the confident head of each block (see `draft_length`); 0 verifies all of it;
-    None: `CPU_DRAFT_CONFIDENCE` on a CPU, 0 elsewhere.
+    "auto" verifies the head of each block with the most tokens expected per second (`throughput_length`),
+    a number in (0, 1) the confident head (`draft_length`), 0 all of it; None: "auto" on a CPU, 0 elsewhere.
     """
     draft_confidence = resolve_draft_confidence(draft_confidence, input_ids.device)
     if drafter.target is not target:

@@ -17,9 +17,10 @@ without touching transformers' internals:
    token with a one-hot distribution. The target's prefill then covers the prompt (and that token),
    and from the second call on the drafter proposes full blocks.
 4. **How much of a block.** On a CPU a wide verify costs more than a narrow one, so by default there the
-   drafter proposes only the head of each block it is confident of (`drafter.draft_confidence`,
-   `draft_length` below), never fewer drafts than the target verifies cheaply (`min_drafts_for`);
-   elsewhere the whole block.
+   drafter proposes the head of each block that gives the most tokens expected per second, from its own
+   confidences and the target's verify costs measured once (`DraftCut`, `throughput_length` below);
+   `drafter.draft_confidence` set to a number cuts at that cumulative confidence instead
+   (`draft_length`). Elsewhere the whole block.
 
 A new `generate()` is recognised by its own copy of the generation config. This file is shipped with
 the model as remote code, so it imports only torch, transformers' public API and its siblings.
@@ -89,6 +90,7 @@ class DraftGenerateOutput:
 MIN_DRAFTS: int | None = None
 FALLBACK_MIN_DRAFTS = 4
 _MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(batch, width): seconds}
 
 
 def min_drafts_for(target: nn.Module) -> int:
@@ -106,44 +108,71 @@ def min_drafts_for(target: nn.Module) -> int:
     return _MEASURED_MIN_DRAFTS[target]
 
 
-def cut_minimum(target: nn.Module, draft_confidence: float) -> int | None:
-    """`min_drafts_for(target)` when a cut is in force (`draft_confidence > 0`), else None (whole blocks)."""
-    return min_drafts_for(target) if draft_confidence > 0 else None
+def cut_minimum(target: nn.Module, draft_confidence: float | str) -> int | None:
+    """`min_drafts_for(target)` when a confidence cut is in force (`draft_confidence > 0`), else None."""
+    return min_drafts_for(target) if draft_confidence != AUTO and draft_confidence > 0 else None
 
 
 @torch.no_grad()
-def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
-                       clock=time.perf_counter) -> int:
-    """The widest of `widths` new tokens whose forward costs at most `tolerance` x the cheapest of them.
+def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 1,
+                 clock=time.perf_counter) -> dict[int, float]:
+    """Seconds of a target forward of each of `widths` new tokens (per row of `batch_size` rows).
 
     Forwards without a cache: their matrix products, which decide how cost grows with width on a CPU, are
     those of a verify. Widths are interleaved and each cost is the median of `repeats`, so drift hits all alike.
     """
-    ids = torch.zeros(1, max(widths), dtype=torch.long, device=next(target.parameters()).device)
+    device = next(target.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.zeros(batch_size, max(widths), dtype=torch.long, device=device)
     target(input_ids=ids[:, :1], use_cache=False)  # warm-up
     seconds: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(repeats):
         for w in widths:
+            sync()
             start = clock()
             target(input_ids=ids[:, :w], use_cache=False)
+            sync()
             seconds[w].append(clock() - start)
-    cost = {w: sorted(s)[len(s) // 2] for w, s in seconds.items()}
+    return {w: sorted(s)[len(s) // 2] for w, s in seconds.items()}
+
+
+def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
+                       clock=time.perf_counter) -> int:
+    """The widest of `widths` new tokens whose forward costs at most `tolerance` x the cheapest of them."""
+    cost = verify_costs(target, widths, repeats, clock=clock)
     cheapest = min(cost.values())
     return max(w for w in widths if cost[w] <= tolerance * cheapest)
 
 
-# The cut used when none is given: on a CPU a 5-token verify costs ~1.4x a one-token step and a 16-token one
-# ~1.7x (SmolLM2, 2 cores), and drafts past a cumulative confidence of 0.1 are rarely accepted; on a GPU
-# the whole block costs about one step, so all of it is verified.
+def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1) -> dict[int, float]:
+    """`verify_costs` over widths 1..max_width at `batch_size`, measured once per target and batch size
+    (~3 s for SmolLM2-135M and 16 widths on 2 CPU cores)."""
+    known = _MEASURED_COSTS.setdefault(target, {})
+    if any((batch_size, w) not in known for w in range(1, max_width + 1)):
+        measured = verify_costs(target, range(1, max_width + 1), batch_size=batch_size)
+        known.update({(batch_size, w): s for w, s in measured.items()})
+    return {w: known[(batch_size, w)] for w in range(1, max_width + 1)}
+
+
+# The cut used when none is given on a CPU: `AUTO`, the throughput cut below. There a 4-token verify of
+# SmolLM2 on 2 cores costs ~1.5x a one-token step and a 16-token one ~2x, and the costs jump where the BLAS
+# changes kernels (3 -> 4 tokens on one machine), so the cut reads measured costs. On a GPU the whole block
+# costs about one step, so all of it is verified. `CPU_DRAFT_CONFIDENCE` is the confidence cut that D²SD's
+# token trees use for `AUTO` (a tree's width is not a chain's).
+AUTO = "auto"
 CPU_DRAFT_CONFIDENCE = 0.1
 
 
-def resolve_draft_confidence(threshold: float | None, device) -> float:
-    """The cut to use: `threshold` if given (checked to be in [0, 1)), else the default for `device`."""
+def resolve_draft_confidence(threshold: float | str | None, device) -> float | str:
+    """The cut to use: `threshold` if given (`"auto"`, or a number checked to be in [0, 1)), else the
+    default for `device` (`"auto"` on a CPU, 0 = whole blocks elsewhere)."""
     if threshold is None:
-        return CPU_DRAFT_CONFIDENCE if torch.device(device).type == "cpu" else 0.0
-    if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"draft_confidence must be in [0, 1) (0 = verify the whole block), got {threshold}.")
+        return AUTO if torch.device(device).type == "cpu" else 0.0
+    if isinstance(threshold, str) and threshold.lower() == AUTO:
+        return AUTO
+    if isinstance(threshold, str) or not 0.0 <= threshold < 1.0:
+        raise ValueError(f"draft_confidence must be 'auto' or a number in [0, 1) (0 = verify the whole block), "
+                         f"got {threshold!r}.")
     return float(threshold)
 
 
@@ -163,14 +192,69 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     k = q_logits.shape[1]
     if threshold <= 0:
         return k
-    confident = q_logits.float().softmax(-1).amax(-1).cumprod(-1) >= threshold  # [B, K]
+    confident = _cumulative_confidence(q_logits, active) >= threshold  # [B, K]
     lengths = confident.int().cumprod(-1).sum(-1)  # the run is a prefix, so this is its length
-    if active is not None:
-        lengths = lengths[torch.tensor(active, device=lengths.device)]
     longest = int(lengths.max()) if lengths.numel() else k
     if minimum is None:
         minimum = FALLBACK_MIN_DRAFTS if MIN_DRAFTS is None else MIN_DRAFTS
     return min(k, max(minimum, 1, longest))
+
+
+def throughput_length(q_logits: torch.Tensor, costs: dict[int, float], overhead: float = 0.0,
+                      active: list[bool] | None = None) -> int:
+    """How many drafts of a block to verify: the n with the most tokens expected per second of the cycle.
+
+    With n drafts a row commits 1 + c_1 + c_1 c_2 + ... + c_1...c_n tokens in expectation (c_k: the top
+    probability of q_k, as in `draft_length`, so sampling stays lossless), and the cycle takes `overhead`
+    (drafting and bookkeeping) plus `costs[n + 1]`, the verify forward of the anchor and n drafts. Rows
+    share the block width, so their expectations add up.
+
+    Example: confidences [0.9, 0.8, 0.5], costs {2: 40, 3: 42, 4: 54} (ms), overhead 10 -> 1.9/50, 2.62/52,
+    2.98/64 -> 2 drafts (the third would add 0.36 tokens for 12 more ms).
+    """
+    k = q_logits.shape[1]
+    confidence = _cumulative_confidence(q_logits, active)  # [B, K]
+    if confidence.shape[0] == 0:
+        return k
+    expected = confidence.shape[0] + confidence.sum(0).cumsum(0)  # [K]: tokens expected with 1..K drafts
+    seconds = torch.tensor([overhead + costs[n + 1] for n in range(1, k + 1)], dtype=expected.dtype,
+                           device=expected.device)
+    return int((expected / seconds).argmax()) + 1
+
+
+def _cumulative_confidence(q_logits: torch.Tensor, active: list[bool] | None) -> torch.Tensor:
+    """c_1, c_1 c_2, ... per row [B', K] for the active rows."""
+    confidence = q_logits.float().softmax(-1).amax(-1).cumprod(-1)
+    if active is not None:
+        confidence = confidence[torch.tensor(active, device=confidence.device)]
+    return confidence
+
+
+@dataclass
+class DraftCut:
+    """How many drafts of each block to verify, decided from the drafter's confidences only.
+
+    `costs` set: `throughput_length` over those measured verify costs; else `threshold` > 0: `draft_length`
+    (a confidence cut, at least `minimum` drafts); else the whole block.
+    """
+
+    threshold: float = 0.0
+    minimum: int | None = None
+    costs: dict[int, float] | None = None
+
+    @classmethod
+    def for_target(cls, target: nn.Module, draft_confidence: float | str, block_size: int,
+                   batch_size: int = 1) -> "DraftCut":
+        """The cut for a resolved `draft_confidence` (`resolve_draft_confidence`); measures what it needs once per
+        target, so call it before tap hooks are installed."""
+        if draft_confidence == AUTO:
+            return cls(costs=verify_costs_for(target, block_size, batch_size))
+        return cls(draft_confidence, cut_minimum(target, draft_confidence))
+
+    def length(self, q_logits: torch.Tensor, active: list[bool] | None = None, overhead: float = 0.0) -> int:
+        if self.costs is not None:
+            return throughput_length(q_logits, self.costs, overhead, active)
+        return draft_length(q_logits, self.threshold, active, self.minimum)
 
 
 class DScaleCandidateGenerator(CandidateGenerator):
@@ -185,8 +269,9 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.generation_config = generation_config
         self.logits_processor = logits_processor
-        self.draft_confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
-        self.min_drafts = cut_minimum(drafter.target, self.draft_confidence)  # measured before the hooks
+        confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
+        self.cut = DraftCut.for_target(drafter.target, confidence, drafter.config.block_size)  # before the hooks
+        self.draft_seconds, self.blocks = 0.0, 0  # drafting time per block: the throughput cut's overhead
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
         self.cache = DraftContextCache(drafter.config.num_hidden_layers)
         self.context_len = 0  # sequence positions whose features the drafter has ingested
@@ -195,6 +280,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **unused):
+        start = time.perf_counter()
         drafter, length = self.drafter, input_ids.shape[1]
         gamma = drafter.config.block_size
         budget = gamma - 1 if max_new_tokens is None else min(max_new_tokens, gamma - 1)
@@ -225,9 +311,12 @@ class DScaleCandidateGenerator(CandidateGenerator):
             self.context_len = length - 1
             do_sample = bool(getattr(self.generation_config, "do_sample", False))
             tokens, scores = choose_tokens(logits[:, :budget], input_ids, self.logits_processor, do_sample)
-            n = draft_length(scores, self.draft_confidence, minimum=self.min_drafts)
+            overhead = self.draft_seconds / self.blocks if self.blocks else 0.0
+            n = self.cut.length(scores, overhead=overhead)
             tokens, scores = tokens[:, :n], scores[:, :n]
             tokens, scores = tokens.to(input_ids.device), scores.to(input_ids.device)
+            self.blocks += 1
+            self.draft_seconds += time.perf_counter() - start
         self.covered_end = length + tokens.shape[1]
         return torch.cat((input_ids, tokens), dim=1), scores
 

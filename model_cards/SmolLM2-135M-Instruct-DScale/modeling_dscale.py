@@ -310,9 +310,10 @@ class DScaleDrafter(DScalePreTrainedModel):
         self.register_buffer("draft_vocab", None if size is None else torch.zeros(size, dtype=torch.long))
         self._handle: _TargetHandle | None = None
         self._assist = None  # state of the plain `assistant_model=` protocol, see assistant.py
-        # How much of each block `generate(assistant_model=drafter)` proposes: the head whose cumulative
-        # confidence is at least this; None = 0.1 on a CPU (where wide verifies cost more), 0 (all) elsewhere.
-        self.draft_confidence: float | None = None
+        # How much of each block `generate(assistant_model=drafter)` proposes: "auto" = the head with the most
+        # tokens expected per second of verify, a number = the head whose cumulative confidence is at least
+        # it, 0 = all of it; None = "auto" on a CPU (where wide verifies cost more), 0 elsewhere.
+        self.draft_confidence: float | str | None = None
         self.post_init()
         self.generation_config = GenerationConfig(
             num_assistant_tokens=config.block_size - 1,

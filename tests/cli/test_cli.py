@@ -12,7 +12,7 @@ import torch
 from hf_dscale.cli import main
 from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE
 
-from ..conftest import tiny_drafter, tiny_target
+from ..conftest import cpu_like_costs, tiny_drafter, tiny_target
 from ..training.test_trainer import _tokenizer
 
 PROMPTS = os.path.join(os.path.dirname(__file__), "..", "data", "prompts.jsonl")
@@ -43,7 +43,10 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert report["command"].startswith("hf-dscale bench")
     assert [p["id"] for p in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
     assert all(p["identical"] and p["tau"] >= 1.0 for p in report["per_prompt"])
-    assert report["device"] == "cpu" and report["draft_confidence"] == CPU_DRAFT_CONFIDENCE  # the CPU's default cut
+    assert report["device"] == "cpu" and report["draft_confidence"] == "auto"  # the CPU's default cut
+    block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
+    assert report["verify_costs_ms"] == {str(w): round(1000 * s, 2) for w, s in cpu_like_costs(block_size).items()}
+    assert report["min_drafts"] is None
 
 
 @pytest.mark.parametrize("confidence", ["0", "0.5"])
@@ -63,6 +66,17 @@ def test_bench_draft_confidence_sets_the_verified_block(folders, tmp_path, confi
         assert 4 + 1 <= report["verify_tokens"] < block_size  # anchor + the minimum, fewer than all
 
 
+def test_bench_draft_confidence_takes_auto_and_rejects_other_words(folders, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"), "--prompts", PROMPTS,
+            "--limit", "1", "--max-new-tokens", "8", "--json", str(out), "--draft-confidence"]
+    assert main(args + ["AUTO"]) == 0
+    assert json.loads(out.read_text())["draft_confidence"] == "auto"
+    with pytest.raises(SystemExit) as error:
+        main(args + ["fast"])
+    assert error.value.code == 2 and "expected 'auto' or a number in [0, 1), got 'fast'" in capsys.readouterr().err
+
+
 def test_bench_d2sd(folders, tmp_path):
     target = tiny_target("qwen3")
     tiny_drafter(target, seed=6).save_pretrained(tmp_path / "vp")
@@ -73,6 +87,7 @@ def test_bench_d2sd(folders, tmp_path):
     assert code == 0
     report = json.loads(out.read_text())
     assert report["method"] == "d2sd" and report["identical"] is True and report["tree_tokens"] == report["verify_tokens"] > 1
+    assert report["draft_confidence"] == CPU_DRAFT_CONFIDENCE and report["verify_costs_ms"] is None  # d2sd's "auto"
     assert set(report["stage_ms"]) == {"draft", "verify", "other"}
 
 
@@ -185,7 +200,7 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
-    assert "draft_confidence 0.1, at least " in out  # the CPU's cut and the minimum measured for this target
+    assert "draft_confidence auto: the head with the most tokens expected per second" in out  # the CPU's cut
 
 
 def test_train_dllm_then_bench_both_methods(tmp_path, capsys):

@@ -7,10 +7,10 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE, draft_length, resolve_draft_confidence
+from hf_dscale.generation.decode import AUTO, draft_length, resolve_draft_confidence, throughput_length
 from hf_dscale.models.dscale import assistant
 
-from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
+from ..conftest import MASK_ID, OracleDrafter, cpu_like_costs, oracle_from, tiny_drafter, tiny_target
 
 
 def _prompt(batch: int, length: int, seed: int, ragged: bool = True):
@@ -215,12 +215,68 @@ def test_custom_generate_reads_the_drafters_draft_confidence():
     assert min(verified[None]) < drafter.config.block_size
 
 
-def test_draft_confidence_defaults_to_a_cut_on_the_cpu_only():
-    assert resolve_draft_confidence(None, "cpu") == CPU_DRAFT_CONFIDENCE > 0  # wide verifies cost more there
+def test_draft_confidence_defaults_to_the_throughput_cut_on_the_cpu_only():
+    assert resolve_draft_confidence(None, "cpu") == AUTO == "auto"  # wide verifies cost more there
     assert resolve_draft_confidence(None, torch.device("cuda", 0)) == 0.0  # the whole block costs about one step
     assert resolve_draft_confidence(0.0, "cpu") == 0.0 and resolve_draft_confidence(0.3, "cuda") == 0.3
-    with pytest.raises(ValueError, match="draft_confidence"):
-        resolve_draft_confidence(-0.1, "cpu")
+    assert resolve_draft_confidence("Auto", "cuda") == AUTO  # asked for by name anywhere
+    for bad in (-0.1, 1.0, "fast"):
+        with pytest.raises(ValueError, match="draft_confidence must be 'auto' or a number"):
+            resolve_draft_confidence(bad, "cpu")
+
+
+def _confidences(*rows):
+    """Logits over a two-token vocabulary whose top probabilities are the given confidences (each >= 0.5)."""
+    c = torch.tensor(rows)
+    return torch.stack((c.log(), (1 - c).log()), -1)
+
+
+def test_throughput_length_picks_the_most_tokens_per_second():
+    costs = {1: 35.0, 2: 40.0, 3: 42.0, 4: 54.0, 5: 55.0, 6: 56.0}
+    # The docstring's example: 1.9 / 50, 2.62 / 52, 2.98 / 64, 3.16 / 65, 3.25 / 66 -> 2 drafts.
+    assert throughput_length(_confidences([0.9, 0.8, 0.5, 0.5, 0.5]), costs, overhead=10.0) == 2
+    # Confident all the way: the extra tokens pay for the wider verify.
+    assert throughput_length(_confidences([0.99] * 5), costs, overhead=10.0) == 5
+    # Unsure from the start: two drafts (1.75 / 52 beats 1.5 / 50 and 1.875 / 64).
+    assert throughput_length(_confidences([0.5] * 5), costs, overhead=10.0) == 2
+    # ... unless the second draft's verify costs as much as the jump: then one.
+    assert throughput_length(_confidences([0.5] * 5), costs | {3: 54.0}, overhead=10.0) == 1
+    # A large overhead makes width cheap relatively: same confidences, more drafts.
+    assert throughput_length(_confidences([0.9, 0.8, 0.5, 0.5, 0.5]), costs, overhead=1000.0) == 5
+    # Flat costs (a GPU): every draft adds expected tokens for free, so the whole block.
+    assert throughput_length(_confidences([0.6, 0.5, 0.5, 0.5, 0.5]), {w: 20.0 for w in range(1, 7)}) == 5
+    # Rows share the width and their expectations add up; a finished row counts for nothing.
+    rows = torch.cat((_confidences([0.5] * 5), _confidences([0.99] * 5)))
+    assert throughput_length(rows, costs, 10.0) == 5
+    assert throughput_length(rows, costs, 10.0, active=[True, False]) == 2
+
+
+def test_draft_cut_for_target_dispatches_on_the_setting():
+    target = tiny_target("llama")
+    auto = assistant.DraftCut.for_target(target, AUTO, block_size=6)
+    assert auto.costs == cpu_like_costs(6)  # conftest's table, one cost per verify width 1..6
+    confident = _confidences([0.9, 0.8, 0.6, 0.9, 0.9])
+    assert auto.length(confident) == throughput_length(confident, cpu_like_costs(6))
+    threshold = assistant.DraftCut.for_target(target, 0.5, block_size=6)
+    assert (threshold.costs, threshold.threshold, threshold.minimum) == (None, 0.5, 4)  # MIN_DRAFTS in conftest
+    assert threshold.length(confident) == 4 and assistant.DraftCut.for_target(target, 0.0, 6).length(confident) == 5
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_throughput_cut_keeps_greedy_identity_and_varies_the_blocks(batch):
+    target = tiny_target("qwen3")
+    for seed in range(2):
+        ids, mask = _prompt(batch, 8 + 3 * seed, seed)
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+        drafter = _oracle(target, plain, mask, 0.25, seed)
+        drafter.boost = 6.0  # top probabilities about 0.7: whether the jump in cost at 4 tokens pays off varies
+        stats = DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, draft_confidence="auto",
+                               dscale_stats=stats)
+        assert torch.equal(plain, spec), f"seed {seed}"
+        assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
+        assert min(stats.verified) < 4  # below the confidence cut's minimum: the costs jump at 4 tokens
 
 
 def record_candidate_widths(monkeypatch) -> list[int]:
@@ -237,8 +293,8 @@ def record_candidate_widths(monkeypatch) -> list[int]:
     return widths
 
 
-@pytest.mark.parametrize("confidence, boost", [(None, 5.0), (0.5, 7.0)])
-def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypatch):
+@pytest.mark.parametrize("confidence, boost", [(None, 6.0), (0.5, 7.0)])
+def test_assistant_model_proposes_the_head_of_each_block(confidence, boost, monkeypatch):
     """`generate(assistant_model=drafter)` cuts blocks like custom_generate (by default on the CPU), exactly."""
     target = tiny_target("llama")
     widths = record_candidate_widths(monkeypatch)
@@ -248,8 +304,11 @@ def test_assistant_model_proposes_the_confident_head(confidence, boost, monkeypa
         drafter = _oracle(target, plain, None, 0.25, seed)
         drafter.boost, drafter.draft_confidence = boost, confidence  # confidences spread over (0, 1)
         assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
-    # Blocks cut to the minimum, more often than the two ends of the generations could, and not all alike.
-    assert widths.count(4) > 2 and 4 < max(widths) <= drafter.config.block_size - 1
+    if confidence is None:  # the throughput cut: narrow blocks where unsure (the costs jump at 4 tokens), wide ones
+        assert min(widths[1:]) <= 2 and max(widths) > 4
+    else:  # blocks cut to the minimum, more often than the two ends of the generations could, and not all alike
+        assert widths.count(4) > 2 and 4 < max(widths)
+    assert max(widths) <= drafter.config.block_size - 1
 
 
 def test_draft_confidence_is_checked():

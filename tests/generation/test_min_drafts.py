@@ -1,4 +1,5 @@
-"""The fewest drafts a confidence cut verifies: measured per target on a CPU, then used by every decoder."""
+"""What the cuts measure per target on a CPU: the fewest drafts a confidence cut verifies, and the verify costs
+the throughput cut weighs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.models.dscale import assistant
 
-from ..conftest import tiny_target
+from ..conftest import REAL_VERIFY_COSTS_FOR, tiny_target
 from .test_exactness import _oracle, _prompt, record_candidate_widths
 
 
@@ -20,6 +21,7 @@ def measured(monkeypatch):
     """Undo conftest's fixed minimum, and start with nothing measured."""
     monkeypatch.setattr(assistant, "MIN_DRAFTS", None)
     monkeypatch.setattr(assistant, "_MEASURED_MIN_DRAFTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(assistant, "_MEASURED_COSTS", weakref.WeakKeyDictionary())
 
 
 class CostedTarget(nn.Module):
@@ -117,3 +119,33 @@ def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
     assert torch.equal(plain, out)
     assert measured == [target]
     assert min(widths) == 2 and widths.count(2) >= 2 and max(widths) > 3  # never the fallback 4 drafts here
+
+
+def test_verify_costs_are_medians_of_interleaved_forwards():
+    cost = {1: 42, 2: 47, 3: 50, 4: 69}
+    target = CostedTarget(cost, spikes={2: 500, 4: 500})
+    assert assistant.verify_costs(target, range(1, 5), clock=target.clock) == cost  # the spikes are outvoted
+    assert target.calls == [1] + [1, 2, 3, 4] * 3  # warm-up, then the widths in turn
+
+
+def test_verify_costs_for_measures_once_per_target_and_batch_size(monkeypatch):
+    calls = []
+
+    def fake(target, widths, repeats=3, batch_size=1, clock=None):
+        calls.append((batch_size, list(widths)))
+        return {w: float(w * batch_size) for w in widths}
+
+    monkeypatch.setattr(assistant, "verify_costs", fake)
+    target = tiny_target("llama")
+    assert REAL_VERIFY_COSTS_FOR(target, 4) == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    assert REAL_VERIFY_COSTS_FOR(target, 3) == {1: 1.0, 2: 2.0, 3: 3.0}  # known already
+    assert REAL_VERIFY_COSTS_FOR(target, 3, batch_size=2) == {1: 2.0, 2: 4.0, 3: 6.0}
+    assert calls == [(1, [1, 2, 3, 4]), (2, [1, 2, 3])]
+
+
+def test_verify_costs_measured_on_the_real_tiny_target():
+    """No fake clock: one positive cost per width, then the same table from the cache."""
+    target = tiny_target("llama")
+    costs = REAL_VERIFY_COSTS_FOR(target, 5)
+    assert sorted(costs) == [1, 2, 3, 4, 5] and all(0 < s < 10 for s in costs.values())
+    assert REAL_VERIFY_COSTS_FOR(target, 5) == costs
