@@ -182,19 +182,25 @@ def test_draft_length_is_the_confident_head_of_the_widest_active_row():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_draft_confidence_keeps_greedy_identity_and_narrows_blocks(batch):
-    target = tiny_target("llama")
+@pytest.mark.parametrize("kind, cut, boost", [
+    ("llama", 0.5, 7.0),  # confidences spread over (0, 1), so the confidence cut lands anywhere in the block
+    ("qwen3", "auto", 6.0),  # top probabilities about 0.7: whether the cost's jump at 4 tokens pays off varies
+])
+def test_cuts_keep_greedy_identity_and_vary_the_blocks(batch, kind, cut, boost):
+    target = tiny_target(kind)
     for seed in range(2):
         ids, mask = _prompt(batch, 8 + 3 * seed, seed)
         plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
         drafter = _oracle(target, plain, mask, 0.25, seed)
-        drafter.boost = 7.0  # confidences spread over (0, 1), so the cut lands anywhere in the block
+        drafter.boost = boost
         stats = DecodeStats()
         spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                               custom_generate=custom_generate, drafter=drafter, draft_confidence=0.5,
+                               custom_generate=custom_generate, drafter=drafter, draft_confidence=cut,
                                dscale_stats=stats)
         assert torch.equal(plain, spec), f"seed {seed}"
         assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
+        if cut == "auto":
+            assert min(stats.verified) < 4  # below the confidence cut's minimum: the costs jump at 4 tokens
 
 
 def test_custom_generate_reads_the_drafters_draft_confidence():
@@ -260,23 +266,6 @@ def test_draft_cut_for_target_dispatches_on_the_setting():
     threshold = assistant.DraftCut.for_target(target, 0.5, block_size=6)
     assert (threshold.costs, threshold.threshold, threshold.minimum) == (None, 0.5, 4)  # MIN_DRAFTS in conftest
     assert threshold.length(confident) == 4 and assistant.DraftCut.for_target(target, 0.0, 6).length(confident) == 5
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_throughput_cut_keeps_greedy_identity_and_varies_the_blocks(batch):
-    target = tiny_target("qwen3")
-    for seed in range(2):
-        ids, mask = _prompt(batch, 8 + 3 * seed, seed)
-        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
-        drafter = _oracle(target, plain, mask, 0.25, seed)
-        drafter.boost = 6.0  # top probabilities about 0.7: whether the jump in cost at 4 tokens pays off varies
-        stats = DecodeStats()
-        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                               custom_generate=custom_generate, drafter=drafter, draft_confidence="auto",
-                               dscale_stats=stats)
-        assert torch.equal(plain, spec), f"seed {seed}"
-        assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
-        assert min(stats.verified) < 4  # below the confidence cut's minimum: the costs jump at 4 tokens
 
 
 def record_candidate_widths(monkeypatch) -> list[int]:
