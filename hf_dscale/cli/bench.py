@@ -55,7 +55,8 @@ def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import AUTO, CPU_DRAFT_CONFIDENCE, cut_minimum, resolve_draft_confidence
+    from ..generation.d2sd import resolve_tree_confidence
+    from ..generation.decode import AUTO, cut_minimum, resolve_draft_confidence
     from ..models.dscale.assistant import verify_costs_for
     from ..training.data import read_prompts, render_prompt
 
@@ -64,9 +65,8 @@ def main(args) -> int:
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
-    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
-    if args.method == "d2sd" and confidence == AUTO:
-        confidence = CPU_DRAFT_CONFIDENCE  # what D²SD's trees use for "auto"
+    resolve = resolve_tree_confidence if args.method == "d2sd" else resolve_draft_confidence
+    confidence = resolve(args.draft_confidence, target.device)
     extra = {"draft_confidence": confidence}
     if args.method == "d2sd":
         extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,

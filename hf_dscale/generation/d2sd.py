@@ -48,6 +48,13 @@ from .types import DecodeStats
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
 
 
+def resolve_tree_confidence(threshold: float | str | None, device) -> float:
+    """`resolve_draft_confidence` for a token tree: "auto" (the CPU's default) is `CPU_DRAFT_CONFIDENCE`, since
+    the throughput cut's costs are those of a chain and a tree's verify width is not a chain's."""
+    threshold = resolve_draft_confidence(threshold, device)
+    return CPU_DRAFT_CONFIDENCE if threshold == AUTO else threshold
+
+
 def boundary_scores(confidences: torch.Tensor) -> torch.Tensor:
     """[γ-1] confidences c_1..c_{γ-1} -> [γ-1] scores r(0..γ-2), r(i) = (c_1…c_i)(1 - c_{i+1}).
 
@@ -224,15 +231,13 @@ def tree_generate(
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
-    "auto" is `CPU_DRAFT_CONFIDENCE` here; None: the device's default (`decode.resolve_draft_confidence`).
+    "auto" is `CPU_DRAFT_CONFIDENCE` here; None: the device's default (`resolve_tree_confidence`).
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
-    draft_confidence = resolve_draft_confidence(draft_confidence, input_ids.device)
-    if draft_confidence == AUTO:
-        draft_confidence = CPU_DRAFT_CONFIDENCE
+    draft_confidence = resolve_tree_confidence(draft_confidence, input_ids.device)
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(
