@@ -127,10 +127,13 @@ class _TreeDecoder(_Decoder):
         """Steps 1-4: the spine, the boundaries and the VP branches, as a token tree."""
         valid = None if bool(self.valid.all()) else self.valid
         anchor = self.anchors[:, None]
+        # The spine is greedy, so the drafter's logits over its draft vocabulary's columns are enough (compact).
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
-                                           self.dcache, valid, self.vocab)[0].float()
+                                           self.dcache, valid, self.vocab, compact=True)[0].float()
         depth = self.cut.length(logits[None])  # drafts on every path
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
+        if self.vocab is not None:
+            spine = self.vocab.ids[spine]
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
         rows = spine.new_full((len(prefixes), gamma), self.vp_drafter.config.mask_token_id)

@@ -54,6 +54,42 @@ def test_drafter_proposes_only_from_its_vocab_and_the_context():
     assert torch.equal(vocab.ids[compact.argmax(-1)], part.argmax(-1))  # the same greedy proposal
 
 
+class _NoOp:
+    """A logits processor that changes nothing; its presence sends the assistant down the full-vocabulary path."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def test_assistant_compact_proposals_equal_the_full_vocabulary_ones(target, monkeypatch):
+    """Greedy without processors, `assistant_model=` drafts over the draft vocabulary's columns only and spreads the
+    kept drafts' scores back over the whole vocabulary: the same candidates and scores as the full path."""
+    from hf_dscale.models.dscale.assistant import DScaleCandidateGenerator
+
+    original = DScaleCandidateGenerator.get_candidates
+    calls = {"compact": [], "full": []}
+    path = "compact"
+
+    def record(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        calls[path].append(tuple(t.clone() for t in out))
+        return out
+
+    monkeypatch.setattr(DScaleCandidateGenerator, "get_candidates", record)
+    ids, _ = _prompt(1, 10, 0)
+    for path, extra in [("compact", {}), ("full", {"logits_processor": [_NoOp()]})]:
+        drafter = tiny_drafter(target)
+        drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 3))
+        drafter.draft_confidence = 0.0  # whole blocks: every draft is compared
+        target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter, **extra)
+    assert len(calls["compact"]) == len(calls["full"]) > 2
+    for (seq_c, scores_c), (seq_f, scores_f) in zip(calls["compact"], calls["full"]):
+        assert torch.equal(seq_c, seq_f)
+        assert scores_c.shape == scores_f.shape and scores_c.shape[-1] == target.config.vocab_size
+        assert torch.equal(torch.isneginf(scores_c), torch.isneginf(scores_f))
+        torch.testing.assert_close(scores_c, scores_f)
+
+
 def test_set_draft_vocab_checks_and_round_trips(tmp_path):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)

@@ -300,6 +300,10 @@ class DScaleCandidateGenerator(CandidateGenerator):
                 self.vocab = drafter.draft_vocab_for(input_ids.to(device))
             else:
                 self.vocab.add(input_ids[:, self.context_len :].to(device))
+            do_sample = bool(getattr(self.generation_config, "do_sample", False))
+            # Greedy without processors, the proposal and its cut need only the draft vocabulary's columns; the
+            # kept drafts' scores are spread over the whole vocabulary afterwards (transformers reads that shape).
+            compact = self.vocab is not None and not self.logits_processor and not do_sample
             logits = drafter.draft_logits(
                 input_ids[:, -1:].to(device),
                 new.to(device),
@@ -307,13 +311,15 @@ class DScaleCandidateGenerator(CandidateGenerator):
                 torch.arange(self.context_len, length - 1, device=device)[None],
                 self.cache,
                 vocab=self.vocab,
+                compact=compact,
             )
             self.context_len = length - 1
-            do_sample = bool(getattr(self.generation_config, "do_sample", False))
             tokens, scores = choose_tokens(logits[:, :budget], input_ids, self.logits_processor, do_sample)
             overhead = self.draft_seconds / self.blocks if self.blocks else 0.0
             n = self.cut.length(scores, overhead=overhead)
             tokens, scores = tokens[:, :n], scores[:, :n]
+            if compact:
+                tokens, scores = self.vocab.ids[tokens], self.vocab.spread(scores)
             tokens, scores = tokens.to(input_ids.device), scores.to(input_ids.device)
             self.blocks += 1
             self.draft_seconds += time.perf_counter() - start

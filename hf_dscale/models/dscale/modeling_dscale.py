@@ -262,9 +262,12 @@ class DraftVocab:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`head(hidden)` over the set, -inf elsewhere: [..., vocab_size]."""
-        part = self.compact_logits(hidden)
+        return self.spread(self.compact_logits(hidden))
+
+    def spread(self, part: torch.Tensor) -> torch.Tensor:
+        """Compact logits [..., size] (column j for token `ids[j]`) over the whole vocabulary, -inf elsewhere."""
         out = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.ids, part)
+        return out.index_copy_(-1, self.ids[: part.shape[-1]], part)
 
 
 class DScalePreTrainedModel(PreTrainedModel):
