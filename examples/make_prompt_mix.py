@@ -9,11 +9,10 @@ answers the prompts in this order and skips the ids it already holds). Only `tra
 """
 
 import argparse
-import json
 import os
 import re
 
-from hf_dscale.training.data import read_prompts
+from hf_dscale.training.data import read_prompts, write_prompts
 
 # A ShareGPT turn counts as code-related when it names a language, a tool or a programming word.
 CODE = re.compile(
@@ -43,7 +42,5 @@ args = parser.parse_args()
 
 rows = mix(read_prompts(os.path.join(args.data, "train_gsm8k_prompts.jsonl")),
            read_prompts(os.path.join(args.data, "train_sharegpt_prompts.jsonl")), args.per_code)
-with open(args.out, "w") as f:
-    for row in rows:
-        f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")
+write_prompts(args.out, rows)
 print(f"{len(rows)} prompts -> {args.out}")

@@ -15,11 +15,10 @@ more code than the interleave allows.
 """
 
 import argparse
-import json
 import os
 import textwrap
 
-from hf_dscale.training.data import read_prompts
+from hf_dscale.training.data import read_prompts, write_prompts
 
 # (signature, doctest line) pairs, rotated so that not every stub looks the same.
 STUBS = [
@@ -59,7 +58,5 @@ if args.stubs_after is not None:
     for i in range(max(args.stubs_after, len(rows) // 4), min(len(gsm8k), len(math))):
         rows.append({"id": "stub-" + gsm8k[i]["id"], "prompt": as_stub(gsm8k[i]["prompt"], i)})
         rows.append({"id": "stub-" + math[i]["id"], "prompt": as_stub(math[i]["prompt"], i)})
-with open(args.out, "w") as f:
-    for row in rows:
-        f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")
+write_prompts(args.out, rows)
 print(f"{len(rows)} prompts -> {args.out}")

@@ -9,16 +9,15 @@ The pattern is a regular expression searched in each prompt, case-insensitively;
 """
 
 import argparse
-import json
 import os
 import re
 
-from hf_dscale.training.data import read_prompts
+from hf_dscale.training.data import read_prompts, write_prompts
 
 
 def select(rows: list[dict], pattern: str) -> list[dict]:
     match = re.compile(pattern, re.IGNORECASE)
-    return [{"id": row["id"], "prompt": row["prompt"]} for row in rows if match.search(row["prompt"])]
+    return [row for row in rows if match.search(row["prompt"])]
 
 
 def main() -> None:
@@ -30,9 +29,7 @@ def main() -> None:
     if not os.path.basename(args.prompts).startswith("train_"):
         parser.error(f"{args.prompts} is not a train_* file; drafters are trained on training prompts only.")
     rows = select(read_prompts(args.prompts), args.pattern)
-    with open(args.out, "w") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
+    write_prompts(args.out, rows)
     print(f"{len(rows)} prompts matching {args.pattern!r} written to {args.out}")
 
 

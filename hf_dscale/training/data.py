@@ -48,6 +48,13 @@ def read_prompts(path: str, limit: int | None = None) -> list[dict]:
     return rows
 
 
+def write_prompts(path: str, rows: list[dict]) -> None:
+    """`rows` as JSON lines of `id` and `prompt` (other fields dropped), the format `read_prompts` reads."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({"id": row["id"], "prompt": row["prompt"]}) + "\n")
+
+
 def render_prompt(tokenizer, prompt: str) -> list[int]:
     """The prompt as one user turn of the target's chat template, ready for the assistant's answer."""
     if tokenizer.chat_template:
