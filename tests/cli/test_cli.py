@@ -140,6 +140,33 @@ def test_train_then_card(folders, tmp_path):
     assert card.startswith("---\n") and "DFlash (shared fusion)" in card and "hf-dscale bench" in card
 
 
+@pytest.mark.parametrize("slowdown", [40.0, 1.5])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about(folders, tmp_path, capsys, monkeypatch, slowdown):
+    from hf_dscale.cli import common
+
+    monkeypatch.setattr(common, "bf16_slowdown", lambda device: slowdown)  # as measured on such a CPU, or not
+    code = main(["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--limit-per-file", "2",
+                 "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--block-size", "4",
+                 "--mask-token-id", "95", "--max-new-tokens", "4", "--steps", "0", "--dtype", "bfloat16"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert ("--dtype bfloat16: this CPU has no native bfloat16" in err) == (slowdown > 8)
+    assert ("40x slower than float32" in err) == (slowdown > 8)
+    # (--mixed-precision bf16 is not run here: accelerate's state is per process and other tests set it)
+    common.warn_if_slow_bf16("cpu", "--dtype bfloat16", "--mixed-precision bf16")
+    err = capsys.readouterr().err
+    assert ("--dtype bfloat16 and --mixed-precision bf16: this CPU" in err) == (slowdown > 8)
+    common.warn_if_slow_bf16("cpu")  # nothing asked for bfloat16
+    assert capsys.readouterr().err == ""
+
+
+def test_bf16_slowdown_is_measured_on_a_cpu_only():
+    from hf_dscale.cli.common import bf16_slowdown
+
+    assert bf16_slowdown("cuda:0") == 1.0
+    assert bf16_slowdown("cpu", size=32, repeats=1) > 0
+
+
 def test_train_without_cached_taps_in_batches_and_resume(folders, tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "drafter"
     common = ["train", "--target", str(folders / "target"), "--prompts", PROMPTS, "--data-dir", str(data),

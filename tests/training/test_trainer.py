@@ -16,7 +16,10 @@ from hf_dscale.training.data import (
     frequent_tokens,
     generate_data,
     iter_samples,
+    length_sorted_batches,
     load_meta,
+    read_shard,
+    shard_names,
     top_up,
 )
 from hf_dscale.training.losses import weighted_cross_entropy
@@ -265,3 +268,46 @@ def test_a_target_elsewhere_than_the_training_device_is_refused(data, tmp_path):
     target = tiny_target("llama").to("meta")
     with pytest.raises(ValueError, match="The target is on meta"):
         train_drafter(tiny_drafter(target), target, data[1], str(tmp_path), TrainConfig(steps=1))
+
+
+def test_length_sorted_batches_cover_every_prompt_once_and_pad_less():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(5, 500, (101,), generator=g).tolist()
+    batches = length_sorted_batches(lengths, batch_size=4, window=3)
+    assert sorted(i for b in batches for i in b) == list(range(101))
+    assert all(len(b) == 4 for b in batches[:-1])
+    for b in batches:  # a batch never mixes windows of 12 prompts, and runs short to long inside one
+        assert len({i // 12 for i in b}) == 1
+        assert [lengths[i] for i in b] == sorted(lengths[i] for i in b)
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    in_order = length_sorted_batches(lengths, batch_size=4, window=1)
+    assert in_order == [list(range(s, min(s + 4, 101))) for s in range(0, 101, 4)]
+    assert padded(batches) < padded(in_order)
+
+
+def test_answers_sorted_by_length_are_those_of_the_file_order(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    path = tmp_path / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i in range(10):  # prompts of 1 to 14 words
+            n = int(torch.randint(1, 15, (1,), generator=g))
+            words = " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB - 1, (n,), generator=g))
+            f.write(json.dumps({"id": f"p{i}", "prompt": words}) + "\n")
+    target = tiny_target("llama")
+
+    def answers(folder, window):
+        assert generate_data(target, _tokenizer(), [str(path)], str(folder), None, max_new_tokens=12, batch_size=3,
+                             sort_window=window) == 10
+        out = {}
+        for name in shard_names(str(folder)):
+            with open(os.path.join(folder, name + ".json")) as f:
+                ids = json.load(f)
+            out.update((i, s.input_ids[s.loss_mask].tolist()) for i, s in zip(ids, read_shard(str(folder), name)))
+        return out
+
+    sorted_answers = answers(tmp_path / "sorted", 4)
+    assert sorted_answers == answers(tmp_path / "in_order", 1)
+    assert len(sorted_answers) == 10
