@@ -8,6 +8,7 @@ rejections at every depth, EOS inside a block and rows that advance at different
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():  # Triton kernels run in the interpreter on th
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_dscale import DScaleConfig, DScaleDrafter
+from hf_dscale.generation import target_forward
 from hf_dscale.models.dscale import assistant
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -46,7 +48,17 @@ REAL_VERIFY_COSTS_FOR = assistant.verify_costs_for
 def fixed_verify_costs(monkeypatch):
     """The throughput cut ("auto", the CPU's default) reads `cpu_like_costs` instead of timing each tiny target:
     tests stay fast and every run cuts the same way. tests/generation/test_min_drafts.py measures for real."""
-    monkeypatch.setattr(assistant, "verify_costs_for", lambda target, max_width, batch_size=1: cpu_like_costs(max_width))
+    monkeypatch.setattr(assistant, "verify_costs_for",
+                        lambda target, max_width, batch_size=1, forward=None: cpu_like_costs(max_width))
+
+
+@pytest.fixture(autouse=True)
+def split_head_everywhere(monkeypatch):
+    """Verifies apply the LM head themselves, transposed at every width, wherever the probe allows it (every tiny
+    target here): each decode test then checks that path, and none depends on a timing. The chooser is tested for
+    real in tests/generation/test_target_forward.py."""
+    monkeypatch.setattr(target_forward, "_CHOSEN", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(target_forward, "faster_transposed", lambda head, widths, batch_size=1: set(widths))
 
 
 def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int | None = None):

@@ -57,6 +57,7 @@ def main(args) -> int:
     from ..evaluation import bench_speculative
     from ..generation.d2sd import resolve_tree_confidence
     from ..generation.decode import AUTO, cut_minimum, resolve_draft_confidence
+    from ..generation.target_forward import TargetForward
     from ..models.dscale.assistant import verify_costs_for
     from ..training.data import read_prompts, render_prompt
 
@@ -79,11 +80,15 @@ def main(args) -> int:
                                on_prompt=lambda i: bar.update(1), **extra)
     bar.close()
     report = result.to_json()
+    block_size = drafter.config.block_size
+    verify = TargetForward.for_target(target, block_size)  # chosen once (batch 1) before the run; not again
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                   draft_confidence=confidence, min_drafts=cut_minimum(target, confidence),
                   verify_costs_ms=None if confidence != AUTO else {  # measured once before the run; not again
-                      str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, drafter.config.block_size).items()},
+                      str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, block_size, forward=verify).items()},
+                  verify_forward=verify.kind,
+                  verify_head_transposed=sorted(verify.transposed or ()),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
                   dtype=str(target.dtype))

@@ -167,11 +167,10 @@ class _TreeDecoder(_Decoder):
         positions = self.anchor_pos[:, None] + torch.tensor(tree.depths, device=device)
         allowed = torch.cat((self.valid[0][None].expand(len(tree), -1), tree.ancestor_mask(device)), dim=1)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        out = self.target(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=True,
-                          **compat.cache_kwargs(self.target, self.cache))
+        logits = self.verify(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=True,
+                             **compat.cache_kwargs(self.target, self.cache))[0].float()  # [N, V]
         t2 = time.perf_counter()
 
-        logits = out.logits[0].float()  # [N, V]
         scores = []
 
         apply = self.rows.processors_for(self.processors, self.row)

@@ -12,7 +12,8 @@ Logits processors and stopping criteria see each row's sequence as plain `genera
 Where a wide verify costs more than a narrow one (a CPU: 16 tokens ~2x one), only the head of each block
 is verified (by default on a CPU): the one with the most tokens expected per second of the cycle
 (`draft_confidence="auto"`, `throughput_length`), or the drafts above a cumulative confidence (a number;
-`draft_length`).
+`draft_length`). There, too, a verify applies the target's LM head itself in the faster matrix layout where a
+probe allows it (`TargetForward`, target_forward.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives wit
 from ..models.dscale.modeling_dscale import DraftContextCache
 from ..models.dscale import compat
 from .acceptance import greedy_accept, speculative_accept
+from .target_forward import TargetForward
 from .types import DecodeStats
 
 
@@ -144,8 +146,9 @@ class _Decoder:
     def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids=None,
                  draft_confidence: float | str = 0.0):
         self.target, self.drafter, self.rows = target, drafter, rows
-        self.cut = DraftCut.for_target(target, draft_confidence, drafter.config.block_size,
-                                       rows.prompt.shape[0])  # measured before the hooks
+        batch, block_size = rows.prompt.shape[0], drafter.config.block_size
+        self.verify = TargetForward.for_target(target, block_size, batch)  # measured before the hooks, as is the cut
+        self.cut = DraftCut.for_target(target, draft_confidence, block_size, batch, self.verify)
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
@@ -192,10 +195,10 @@ class _Decoder:
         block = torch.cat((self.anchors[:, None], draft_ids), dim=1)  # [B, γ]
         block_pos = self.anchor_pos[:, None] + torch.arange(gamma, device=block.device)
         mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1)
-        out = self.target(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
-                          **compat.cache_kwargs(self.target, self.cache))
+        logits = self.verify(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
+                             **compat.cache_kwargs(self.target, self.cache))
         t2 = time.perf_counter()
-        p_logits = _process(out.logits.float(), self.rows, block, self.processors)
+        p_logits = _process(logits.float(), self.rows, block, self.processors)
         if self.do_sample:
             num_accepted, output_ids = speculative_accept(draft_ids, q_logits.softmax(-1), p_logits.softmax(-1))
         else:

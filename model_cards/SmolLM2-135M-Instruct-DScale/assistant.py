@@ -90,7 +90,7 @@ class DraftGenerateOutput:
 MIN_DRAFTS: int | None = None
 FALLBACK_MIN_DRAFTS = 4
 _MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(batch, width): seconds}
+_MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(kind, batch, width): seconds}
 
 
 def min_drafts_for(target: nn.Module) -> int:
@@ -115,22 +115,24 @@ def cut_minimum(target: nn.Module, draft_confidence: float | str) -> int | None:
 
 @torch.no_grad()
 def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 1,
-                 clock=time.perf_counter) -> dict[int, float]:
+                 clock=time.perf_counter, forward=None) -> dict[int, float]:
     """Seconds of a target forward of each of `widths` new tokens (per row of `batch_size` rows).
 
     Forwards without a cache: their matrix products, which decide how cost grows with width on a CPU, are
     those of a verify. Widths are interleaved and each cost is the median of `repeats`, so drift hits all alike.
+    `forward(**kwargs)` runs the forward the verifies will run (default: `target(**kwargs)`).
     """
+    forward = forward or target
     device = next(target.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.zeros(batch_size, max(widths), dtype=torch.long, device=device)
-    target(input_ids=ids[:, :1], use_cache=False)  # warm-up
+    forward(input_ids=ids[:, :1], use_cache=False)  # warm-up
     seconds: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(repeats):
         for w in widths:
             sync()
             start = clock()
-            target(input_ids=ids[:, :w], use_cache=False)
+            forward(input_ids=ids[:, :w], use_cache=False)
             sync()
             seconds[w].append(clock() - start)
     return {w: sorted(s)[len(s) // 2] for w, s in seconds.items()}
@@ -144,14 +146,15 @@ def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: 
     return max(w for w in widths if cost[w] <= tolerance * cheapest)
 
 
-def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1) -> dict[int, float]:
-    """`verify_costs` over widths 1..max_width at `batch_size`, measured once per target and batch size
-    (~3 s for SmolLM2-135M and 16 widths on 2 CPU cores)."""
+def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1, forward=None) -> dict[int, float]:
+    """`verify_costs` over widths 1..max_width at `batch_size`, measured once per target, batch size and
+    forward path (`forward.kind`; ~3 s for SmolLM2-135M and 16 widths on 2 CPU cores)."""
     known = _MEASURED_COSTS.setdefault(target, {})
-    if any((batch_size, w) not in known for w in range(1, max_width + 1)):
-        measured = verify_costs(target, range(1, max_width + 1), batch_size=batch_size)
-        known.update({(batch_size, w): s for w, s in measured.items()})
-    return {w: known[(batch_size, w)] for w in range(1, max_width + 1)}
+    kind = getattr(forward, "kind", "model")
+    if any((kind, batch_size, w) not in known for w in range(1, max_width + 1)):
+        measured = verify_costs(target, range(1, max_width + 1), batch_size=batch_size, forward=forward)
+        known.update({(kind, batch_size, w): s for w, s in measured.items()})
+    return {w: known[(kind, batch_size, w)] for w in range(1, max_width + 1)}
 
 
 # The cut used when none is given on a CPU: `AUTO`, the throughput cut below. There a 4-token verify of
@@ -244,11 +247,11 @@ class DraftCut:
 
     @classmethod
     def for_target(cls, target: nn.Module, draft_confidence: float | str, block_size: int,
-                   batch_size: int = 1) -> "DraftCut":
+                   batch_size: int = 1, forward=None) -> "DraftCut":
         """The cut for a resolved `draft_confidence` (`resolve_draft_confidence`); measures what it needs once per
-        target, so call it before tap hooks are installed."""
+        target (verifies run `forward`, default the target's own), so call it before tap hooks are installed."""
         if draft_confidence == AUTO:
-            return cls(costs=verify_costs_for(target, block_size, batch_size))
+            return cls(costs=verify_costs_for(target, block_size, batch_size, forward))
         return cls(draft_confidence, cut_minimum(target, draft_confidence))
 
     def length(self, q_logits: torch.Tensor, active: list[bool] | None = None, overhead: float = 0.0) -> int:

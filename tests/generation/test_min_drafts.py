@@ -131,7 +131,7 @@ def test_verify_costs_are_medians_of_interleaved_forwards():
 def test_verify_costs_for_measures_once_per_target_and_batch_size(monkeypatch):
     calls = []
 
-    def fake(target, widths, repeats=3, batch_size=1, clock=None):
+    def fake(target, widths, repeats=3, batch_size=1, clock=None, forward=None):
         calls.append((batch_size, list(widths)))
         return {w: float(w * batch_size) for w in widths}
 

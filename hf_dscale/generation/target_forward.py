@@ -1,0 +1,115 @@
+"""The target forward that a verify runs, with the LM head applied in the faster matrix layout on a CPU.
+
+A verify feeds the target a few new tokens. On a CPU the LM head of a small model is a large part of that:
+SmolLM2-135M's tied head is 49,152 x 576, and `F.linear(h, W)` over 2-16 tokens runs MKL's
+SGEMM(T, N, 49152, w, 576), which on a 2-core AVX2 EPYC took 19-29 ms against 6-16 ms for the very same
+product laid out the other way round, `(W @ h.T).T` (SGEMM(T, N, w, 49152, 576)); one token: 10 ms both
+ways. The verify then runs `target.base_model` and applies the head itself, in whichever layout a one-time
+timing found faster at that width.
+
+It does so only where a probe shows the target's logits *are* its head over the base model's last hidden
+states (no soft-capping, scaling or bias the probe would miss): the target's own logits must equal
+`F.linear` over those hidden states bit for bit. The two layouts compute the same sums in another order, as
+the target's own forward already does at other widths, so greedy decoding keeps its identity with plain
+`generate()` on the same terms as before (the benches check it: `identical`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.dscale import compat
+
+SPLIT_HEAD = True  # False: every verify runs the target's own forward
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(batch, max_width): TargetForward}
+
+
+class TargetForward:
+    """`forward(**kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs.
+
+    `kind` names the path for cost tables: "model" (the target's own forward) or "split-head" (base model,
+    then the head, transposed at the widths in `transposed`).
+    """
+
+    def __init__(self, target: nn.Module, transposed: frozenset[int] | None = None):
+        self.target = target
+        self.transposed = transposed
+        self.kind = "model" if transposed is None else "split-head"
+
+    def __call__(self, **kwargs) -> torch.Tensor:
+        if self.transposed is None:
+            return self.target(**kwargs).logits
+        cache = {k: kwargs.pop(k) for k in ("cache", "past_key_values") if k in kwargs}
+        base = self.target.base_model
+        if cache:
+            kwargs.update(compat.cache_kwargs(base, next(iter(cache.values()))))
+        hidden = base(**kwargs).last_hidden_state  # [B, T, H]
+        return apply_head(self.target.get_output_embeddings(), hidden, hidden.shape[1] in self.transposed)
+
+    @classmethod
+    def for_target(cls, target: nn.Module, max_width: int, batch_size: int = 1) -> "TargetForward":
+        """The split-head path on a CPU where the probe passes and some width in 1..max_width is faster
+        transposed, else the target's own forward. Decided once per target, batch size and max width
+        (~2 s for SmolLM2-135M and 16 widths on 2 cores). `SPLIT_HEAD = False` turns the split head off."""
+        if not SPLIT_HEAD:
+            return cls(target)
+        known = _CHOSEN.setdefault(target, {})
+        key = (batch_size, max_width)
+        if key not in known:
+            transposed = None
+            if splittable(target):
+                faster = faster_transposed(target.get_output_embeddings(), range(1, max_width + 1), batch_size)
+                transposed = frozenset(faster) or None
+            known[key] = cls(target, transposed)
+        return known[key]
+
+
+def apply_head(head: nn.Linear, hidden: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`head(hidden)` [B, T, V]; `transposed`: computed as `(W @ h.T).T`, the same sums in another layout."""
+    if not transposed:
+        return F.linear(hidden, head.weight, head.bias)
+    b, t, h = hidden.shape
+    logits = (head.weight @ hidden.reshape(b * t, h).T).T  # [B*T, V]
+    if head.bias is not None:
+        logits = logits + head.bias
+    return logits.reshape(b, t, -1)
+
+
+@torch.no_grad()
+def splittable(target: nn.Module, width: int = 3) -> bool:
+    """Whether the target's logits are `F.linear` of its head over `target.base_model`'s last hidden states,
+    bit for bit, on a CPU (probed with one short forward each)."""
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    base = getattr(target, "base_model", target)
+    if not isinstance(head, nn.Linear) or base is target or head.weight.device.type != "cpu":
+        return False
+    ids = torch.arange(1, width + 1, device=head.weight.device)[None] % head.weight.shape[0]
+    try:
+        logits = target(input_ids=ids, use_cache=False).logits
+        hidden = base(input_ids=ids, use_cache=False).last_hidden_state
+    except (TypeError, AttributeError):  # a base model that takes other inputs or returns no hidden states
+        return False
+    return torch.equal(logits, F.linear(hidden, head.weight, head.bias))
+
+
+@torch.no_grad()
+def faster_transposed(head: nn.Linear, widths, batch_size: int = 1, repeats: int = 3,
+                      clock=time.perf_counter) -> set[int]:
+    """The widths whose head product is faster transposed (median of `repeats`, interleaved, on random
+    hidden states of `batch_size` rows)."""
+    w = head.weight
+    hidden = torch.randn(batch_size, max(widths), w.shape[1], dtype=w.dtype, device=w.device)
+    seconds = {(width, t): [] for width in widths for t in (False, True)}
+    apply_head(head, hidden[:, :1], False)  # warm-up
+    for _ in range(repeats):
+        for width, t in seconds:
+            start = clock()
+            apply_head(head, hidden[:, :width], t)
+            seconds[(width, t)].append(clock() - start)
+    median = {k: sorted(s)[len(s) // 2] for k, s in seconds.items()}
+    return {width for width in widths if median[(width, True)] < median[(width, False)]}
