@@ -47,6 +47,9 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
     assert report["verify_costs_ms"] == {str(w): round(1000 * s, 2) for w, s in cpu_like_costs(block_size).items()}
     assert report["min_drafts"] is None
+    # the verify path the run took (the conftest makes every width transposed wherever the probe allows it)
+    assert report["verify_forward"] == "split-head"
+    assert report["verify_head_transposed"] == list(range(1, block_size + 1))
 
 
 @pytest.mark.parametrize("confidence", ["0", "0.5"])
