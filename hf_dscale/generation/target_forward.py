@@ -26,7 +26,9 @@ from torch import nn
 from ..models.dscale import compat
 
 SPLIT_HEAD = True  # False: every verify runs the target's own forward
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(batch, max_width): TargetForward}
+# target -> {(batch, max_width): the transposed widths, or None for the target's own forward}. The values must not
+# refer to the target, or it would never be freed.
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TargetForward:
@@ -65,8 +67,8 @@ class TargetForward:
             if splittable(target):
                 faster = faster_transposed(target.get_output_embeddings(), range(1, max_width + 1), batch_size)
                 transposed = frozenset(faster) or None
-            known[key] = cls(target, transposed)
-        return known[key]
+            known[key] = transposed
+        return cls(target, known[key])
 
 
 def apply_head(head: nn.Linear, hidden: torch.Tensor, transposed: bool) -> torch.Tensor:

@@ -3,6 +3,8 @@ only where a bitwise probe allows it, and its layout per width is chosen by timi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -71,7 +73,7 @@ def test_for_target_decides_once_per_batch_size_and_width(monkeypatch):
     target = tiny_target("llama")
     split = TargetForward.for_target(target, 4)
     assert split.kind == "split-head" and split.transposed == {2, 3}
-    assert TargetForward.for_target(target, 4) is split
+    assert TargetForward.for_target(target, 4).transposed == {2, 3}  # decided already: not timed again
     assert TargetForward.for_target(target, 4, batch_size=2).kind == "model"  # no width is faster: the model's own
     assert calls == [(1, [1, 2, 3, 4]), (2, [1, 2, 3, 4])]
     assert TargetForward.for_target(tiny_gemma2(5.0), 4).kind == "model" and len(calls) == 2  # probed, not timed
@@ -117,5 +119,14 @@ def test_custom_generate_greedy_identity_on_either_path(split, monkeypatch):
                            custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
     assert torch.equal(plain, spec)
     assert stats.tau > 1.5
-    chosen = target_forward._CHOSEN[target][(2, drafter.config.block_size)]
-    assert chosen.kind == ("split-head" if split else "model")
+    transposed = target_forward._CHOSEN[target][(2, drafter.config.block_size)]  # what the decoder was given
+    assert transposed == (frozenset(range(1, drafter.config.block_size + 1)) if split else None)
+
+
+def test_a_decided_target_can_still_be_freed():
+    target = tiny_target("llama")
+    TargetForward.for_target(target, 4)
+    assert len(target_forward._CHOSEN) == 1
+    del target
+    gc.collect()
+    assert len(target_forward._CHOSEN) == 0
