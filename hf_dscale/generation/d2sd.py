@@ -167,8 +167,8 @@ class _TreeDecoder(_Decoder):
         positions = self.anchor_pos[:, None] + torch.tensor(tree.depths, device=device)
         allowed = torch.cat((self.valid[0][None].expand(len(tree), -1), tree.ancestor_mask(device)), dim=1)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        logits = self.verify(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=True,
-                             **compat.cache_kwargs(self.target, self.cache))[0].float()  # [N, V]
+        logits = self.verify(self.cache, input_ids=ids, attention_mask=mask[None, None], position_ids=positions,
+                             use_cache=True)[0].float()  # [N, V]
         t2 = time.perf_counter()
 
         scores = []

@@ -195,8 +195,8 @@ class _Decoder:
         block = torch.cat((self.anchors[:, None], draft_ids), dim=1)  # [B, γ]
         block_pos = self.anchor_pos[:, None] + torch.arange(gamma, device=block.device)
         mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1)
-        logits = self.verify(input_ids=block, attention_mask=mask.long(), position_ids=block_pos, use_cache=True,
-                             **compat.cache_kwargs(self.target, self.cache))
+        logits = self.verify(self.cache, input_ids=block, attention_mask=mask.long(), position_ids=block_pos,
+                             use_cache=True)
         t2 = time.perf_counter()
         p_logits = _process(logits.float(), self.rows, block, self.processors)
         if self.do_sample:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.dscale import compat
+from ..models.dscale.assistant import median_seconds
 
 SPLIT_HEAD = True  # False: every verify runs the target's own forward
 # target -> {(batch, max_width): the transposed widths, or None for the target's own forward}. The values must not
@@ -32,25 +33,29 @@ _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TargetForward:
-    """`forward(**kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs.
+    """`forward(cache=None, **kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs, with
+    `cache` passed under the name the called module takes (`compat.cache_kwargs`).
 
-    `kind` names the path for cost tables: "model" (the target's own forward) or "split-head" (base model,
-    then the head, transposed at the widths in `transposed`).
+    `transposed` None: the target's own forward; else the split head (base model, then the head, transposed at
+    the widths in `transposed`).
     """
 
     def __init__(self, target: nn.Module, transposed: frozenset[int] | None = None):
         self.target = target
         self.transposed = transposed
-        self.kind = "model" if transposed is None else "split-head"
 
-    def __call__(self, **kwargs) -> torch.Tensor:
+    @property
+    def kind(self) -> str:
+        """The path's name for cost tables and reports."""
+        return "model" if self.transposed is None else "split-head"
+
+    def __call__(self, cache=None, **kwargs) -> torch.Tensor:
+        module = self.target if self.transposed is None else self.target.base_model
+        if cache is not None:
+            kwargs.update(compat.cache_kwargs(module, cache))
         if self.transposed is None:
-            return self.target(**kwargs).logits
-        cache = {k: kwargs.pop(k) for k in ("cache", "past_key_values") if k in kwargs}
-        base = self.target.base_model
-        if cache:
-            kwargs.update(compat.cache_kwargs(base, next(iter(cache.values()))))
-        hidden = base(**kwargs).last_hidden_state  # [B, T, H]
+            return module(**kwargs).logits
+        hidden = module(**kwargs).last_hidden_state  # [B, T, H]
         return apply_head(self.target.get_output_embeddings(), hidden, hidden.shape[1] in self.transposed)
 
     @classmethod
@@ -102,16 +107,12 @@ def splittable(target: nn.Module, width: int = 3) -> bool:
 @torch.no_grad()
 def faster_transposed(head: nn.Linear, widths, batch_size: int = 1, repeats: int = 3,
                       clock=time.perf_counter) -> set[int]:
-    """The widths whose head product is faster transposed (median of `repeats`, interleaved, on random
-    hidden states of `batch_size` rows)."""
+    """The widths whose head product is faster transposed (`median_seconds` of `repeats`, on random hidden
+    states of `batch_size` rows)."""
     w = head.weight
     hidden = torch.randn(batch_size, max(widths), w.shape[1], dtype=w.dtype, device=w.device)
-    seconds = {(width, t): [] for width in widths for t in (False, True)}
     apply_head(head, hidden[:, :1], False)  # warm-up
-    for _ in range(repeats):
-        for width, t in seconds:
-            start = clock()
-            apply_head(head, hidden[:, :width], t)
-            seconds[(width, t)].append(clock() - start)
-    median = {k: sorted(s)[len(s) // 2] for k, s in seconds.items()}
+    jobs = {(width, t): (lambda width=width, t=t: apply_head(head, hidden[:, :width], t))
+            for width in widths for t in (False, True)}
+    median = median_seconds(jobs, repeats, clock)
     return {width for width in widths if median[(width, True)] < median[(width, False)]}

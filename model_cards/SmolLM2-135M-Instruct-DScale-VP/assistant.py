@@ -113,13 +113,27 @@ def cut_minimum(target: nn.Module, draft_confidence: float | str) -> int | None:
     return min_drafts_for(target) if draft_confidence != AUTO and draft_confidence > 0 else None
 
 
+def median_seconds(jobs: dict, repeats: int = 3, clock=time.perf_counter, sync=lambda: None) -> dict:
+    """{key: median seconds of `jobs[key]()`} over `repeats` rounds that run every job in turn, so a slow spell
+    of the machine hits all of them alike and a single outlier is outvoted."""
+    seconds: dict = {key: [] for key in jobs}
+    for _ in range(repeats):
+        for key, job in jobs.items():
+            sync()
+            start = clock()
+            job()
+            sync()
+            seconds[key].append(clock() - start)
+    return {key: sorted(s)[len(s) // 2] for key, s in seconds.items()}
+
+
 @torch.no_grad()
 def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 1,
                  clock=time.perf_counter, forward=None) -> dict[int, float]:
     """Seconds of a target forward of each of `widths` new tokens (per row of `batch_size` rows).
 
     Forwards without a cache: their matrix products, which decide how cost grows with width on a CPU, are
-    those of a verify. Widths are interleaved and each cost is the median of `repeats`, so drift hits all alike.
+    those of a verify. Widths are interleaved and each cost is the median of `repeats` (`median_seconds`).
     `forward(**kwargs)` runs the forward the verifies will run (default: `target(**kwargs)`).
     """
     forward = forward or target
@@ -127,15 +141,8 @@ def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.zeros(batch_size, max(widths), dtype=torch.long, device=device)
     forward(input_ids=ids[:, :1], use_cache=False)  # warm-up
-    seconds: dict[int, list[float]] = {w: [] for w in widths}
-    for _ in range(repeats):
-        for w in widths:
-            sync()
-            start = clock()
-            forward(input_ids=ids[:, :w], use_cache=False)
-            sync()
-            seconds[w].append(clock() - start)
-    return {w: sorted(s)[len(s) // 2] for w, s in seconds.items()}
+    jobs = {w: (lambda w=w: forward(input_ids=ids[:, :w], use_cache=False)) for w in widths}
+    return median_seconds(jobs, repeats, clock, sync)
 
 
 def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,

@@ -89,13 +89,12 @@ def test_split_head_verify_matches_the_target_with_a_cache_and_holes(target, tra
     valid[0, 0] = valid[1, 3] = 0  # left padding in row 0, a rejected column in row 1
     positions = (valid.cumsum(-1) - 1).clamp_min(0)
     logits = []
-    for forward in (lambda **kw: target(**kw).logits, split):
+    for forward in (lambda cache, **kw: target(**kw, **compat.cache_kwargs(target, cache)).logits, split):
         cache = compat.new_cache(target)
         with torch.no_grad():
-            forward(input_ids=ids, attention_mask=valid[:, :6], position_ids=positions[:, :6], use_cache=True,
-                    **compat.cache_kwargs(target, cache))
-            logits.append(forward(input_ids=block, attention_mask=valid, position_ids=positions[:, 6:],
-                                  use_cache=True, **compat.cache_kwargs(target, cache)))
+            forward(cache, input_ids=ids, attention_mask=valid[:, :6], position_ids=positions[:, :6], use_cache=True)
+            logits.append(forward(cache, input_ids=block, attention_mask=valid, position_ids=positions[:, 6:],
+                                  use_cache=True))
         assert cache.get_seq_length() == 10
     assert logits[1].shape == (2, 4, 96)
     torch.testing.assert_close(logits[1], logits[0])
