@@ -84,7 +84,7 @@ def main(args) -> int:
     verify = TargetForward.for_target(target, block_size)  # chosen once (batch 1) before the run; not again
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
                   prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                  draft_confidence=confidence, min_drafts=cut_minimum(target, confidence),
+                  draft_confidence=confidence, min_drafts=cut_minimum(target, confidence, verify),
                   verify_costs_ms=None if confidence != AUTO else {  # measured once before the run; not again
                       str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, block_size, forward=verify).items()},
                   verify_forward=verify.kind,

@@ -91,14 +91,17 @@ def _cut(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
 
 
-def describe_cut(confidence, target) -> str:
-    """The cut in words, for the CLI's summary lines."""
+def describe_cut(confidence, target, block_size: int) -> str:
+    """The cut in words, for the CLI's summary lines (the minimum as the decoding measured it, through the same
+    verify forward)."""
     from ..generation.decode import AUTO, min_drafts_for
+    from ..generation.target_forward import TargetForward
 
     if confidence == AUTO:
         return "draft_confidence auto: the head with the most tokens expected per second of verify"
     if confidence > 0:
-        return f"draft_confidence {confidence}, at least {min_drafts_for(target)} drafts"
+        minimum = min_drafts_for(target, TargetForward.for_target(target, block_size))
+        return f"draft_confidence {confidence}, at least {minimum} drafts"
     return "draft_confidence 0: whole blocks"
 
 

@@ -32,7 +32,7 @@ def main(args) -> int:
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
     report = result.to_json()
-    cut = describe_cut(confidence, target)
+    cut = describe_cut(confidence, target, drafter.config.block_size)
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
           f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")

@@ -89,28 +89,31 @@ class DraftGenerateOutput:
 # `draft_length` when the caller gives none, the minimum is `FALLBACK_MIN_DRAFTS`.
 MIN_DRAFTS: int | None = None
 FALLBACK_MIN_DRAFTS = 4
-_MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {kind: drafts}
 _MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(kind, batch, width): seconds}
 
 
-def min_drafts_for(target: nn.Module) -> int:
+def min_drafts_for(target: nn.Module, forward=None) -> int:
     """The fewest drafts a confidence cut verifies with `target`: `MIN_DRAFTS` if set, else measured on a CPU.
 
-    The measurement (once per model, ~2 s for SmolLM2-135M on 2 cores) times forwards of 2-8 new tokens and
-    keeps one less (the anchor is verified too) than the widest that costs at most 10% more than the cheapest.
+    The measurement (once per model and forward path, `forward.kind`; ~2 s for SmolLM2-135M on 2 cores) times
+    forwards of 2-8 new tokens through `forward` (the verifies' own, default the target's) and keeps one less
+    (the anchor is verified too) than the widest that costs at most 10% more than the cheapest.
     """
     if MIN_DRAFTS is not None:
         return MIN_DRAFTS
     if next(target.parameters()).device.type != "cpu":
         return FALLBACK_MIN_DRAFTS
-    if target not in _MEASURED_MIN_DRAFTS:
-        _MEASURED_MIN_DRAFTS[target] = cheap_verify_width(target) - 1
-    return _MEASURED_MIN_DRAFTS[target]
+    known = _MEASURED_MIN_DRAFTS.setdefault(target, {})
+    kind = getattr(forward, "kind", "model")
+    if kind not in known:
+        known[kind] = cheap_verify_width(target, forward=forward) - 1
+    return known[kind]
 
 
-def cut_minimum(target: nn.Module, draft_confidence: float | str) -> int | None:
-    """`min_drafts_for(target)` when a confidence cut is in force (`draft_confidence > 0`), else None."""
-    return min_drafts_for(target) if draft_confidence != AUTO and draft_confidence > 0 else None
+def cut_minimum(target: nn.Module, draft_confidence: float | str, forward=None) -> int | None:
+    """`min_drafts_for(target, forward)` when a confidence cut is in force (`draft_confidence > 0`), else None."""
+    return min_drafts_for(target, forward) if draft_confidence != AUTO and draft_confidence > 0 else None
 
 
 def median_seconds(jobs: dict, repeats: int = 3, clock=time.perf_counter, sync=lambda: None) -> dict:
@@ -146,9 +149,10 @@ def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 
 
 
 def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
-                       clock=time.perf_counter) -> int:
-    """The widest of `widths` new tokens whose forward costs at most `tolerance` x the cheapest of them."""
-    cost = verify_costs(target, widths, repeats, clock=clock)
+                       clock=time.perf_counter, forward=None) -> int:
+    """The widest of `widths` new tokens whose forward (through `forward`, as in `verify_costs`) costs at most
+    `tolerance` x the cheapest of them."""
+    cost = verify_costs(target, widths, repeats, clock=clock, forward=forward)
     cheapest = min(cost.values())
     return max(w for w in widths if cost[w] <= tolerance * cheapest)
 
@@ -193,7 +197,7 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     The confidence of draft k is the top probability of its distribution q_k, a property of q_k and not of
     the token drawn from it, so the cut is decided before each draft is seen and speculative sampling
     stays lossless. The product c_1..c_k estimates the chance that drafts 1..k are all accepted. At least
-    `minimum` drafts are kept (`min_drafts_for(target)`; if None, `MIN_DRAFTS` or else `FALLBACK_MIN_DRAFTS`);
+    `minimum` drafts are kept (`min_drafts_for(target, forward)`; if None, `MIN_DRAFTS` or else `FALLBACK_MIN_DRAFTS`);
     rows share the block width, so the widest active row decides.
 
     Example: confidences [0.9, 0.8, 0.6, 0.9, 0.9], threshold 0.5 -> cumulative [0.9, 0.72, 0.43, ...]
@@ -259,7 +263,7 @@ class DraftCut:
         target (verifies run `forward`, default the target's own), so call it before tap hooks are installed."""
         if draft_confidence == AUTO:
             return cls(costs=verify_costs_for(target, block_size, batch_size, forward))
-        return cls(draft_confidence, cut_minimum(target, draft_confidence))
+        return cls(draft_confidence, cut_minimum(target, draft_confidence, forward))
 
     def length(self, q_logits: torch.Tensor, active: list[bool] | None = None, overhead: float = 0.0) -> int:
         if self.costs is not None:

@@ -57,7 +57,7 @@ def test_cheap_verify_width_is_the_widest_within_tolerance_of_the_cheapest(cost,
 
 def test_min_drafts_for_measures_once_per_target_and_honours_the_override(monkeypatch):
     widths = iter([3, 6])
-    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: next(widths))
+    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target, forward=None: next(widths))
     first, second = tiny_target("llama"), tiny_target("llama")
     assert assistant.min_drafts_for(first) == 2  # one less than the width: the anchor is verified too
     assert assistant.min_drafts_for(first) == 2  # cached: the second width was not drawn
@@ -66,9 +66,33 @@ def test_min_drafts_for_measures_once_per_target_and_honours_the_override(monkey
     assert assistant.min_drafts_for(first) == 7  # an int set by the user wins
 
 
+def test_cheap_verify_width_times_the_forward_it_is_given():
+    target = CostedTarget({w: 10 * w for w in range(1, 9)})  # its own forward: any call would show in target.calls
+    path = CostedTarget({1: 42, 2: 65, 3: 80, 4: 62, 5: 58, 6: 61, 7: 70, 8: 64})  # the verifies' path
+    assert assistant.cheap_verify_width(target, clock=path.clock, forward=path) == 6
+    assert target.calls == [] and len(path.calls) == 1 + 7 * 3
+
+
+def test_min_drafts_is_measured_once_per_verify_path(monkeypatch):
+    """A confidence cut's minimum is timed on the forward the verifies run (the split head or the target's own),
+    once per path kind."""
+    seen = []
+
+    def width(target, forward=None):
+        seen.append(forward)
+        return {"model": 3, "split-head": 6}[getattr(forward, "kind", "model")]
+
+    monkeypatch.setattr(assistant, "cheap_verify_width", width)
+    target, split = tiny_target("llama"), type("Split", (), {"kind": "split-head"})()
+    assert assistant.min_drafts_for(target) == 2
+    assert assistant.min_drafts_for(target, split) == 5
+    assert assistant.DraftCut.for_target(target, 0.1, 16, 1, split).minimum == 5  # the cut passes its forward on
+    assert assistant.min_drafts_for(target) == 2 and seen == [None, split]  # each path measured once
+
+
 def test_cut_minimum_measures_only_when_there_is_a_cut(monkeypatch):
     widths = iter([4])
-    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: next(widths))
+    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target, forward=None: next(widths))
     target = tiny_target("llama")
     assert assistant.cut_minimum(target, 0.0) is None  # whole blocks: nothing measured
     assert target not in assistant._MEASURED_MIN_DRAFTS
@@ -98,9 +122,10 @@ def test_min_drafts_measured_on_the_real_tiny_target():
 
 @pytest.mark.parametrize("path", ["custom_generate", "assistant_model"])
 def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
-    """With a cut, decoding asks min_drafts_for(target) once and never verifies fewer drafts; output is exact."""
+    """With a cut, decoding asks min_drafts_for once and never verifies fewer drafts; output is exact."""
     measured = []
-    monkeypatch.setattr(assistant, "cheap_verify_width", lambda target: measured.append(target) or 3)
+    monkeypatch.setattr(assistant, "cheap_verify_width",
+                        lambda target, forward=None: measured.append((target, getattr(forward, "kind", None))) or 3)
     target = tiny_target("llama")
     ids, _ = _prompt(1, 9, seed=1)
     plain = target.generate(ids, max_new_tokens=60, do_sample=False)
@@ -117,7 +142,9 @@ def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=60, do_sample=False)
         widths = widths[1:-1]  # the first call proposes one token (no target features yet); the last is budget-cut
     assert torch.equal(plain, out)
-    assert measured == [target]
+    # Timed once, on the forward the verifies run: custom_generate's split head (conftest: at every width),
+    # transformers' assisted loop's own target forward.
+    assert measured == [(target, "split-head" if path == "custom_generate" else None)]
     assert min(widths) == 2 and widths.count(2) >= 2 and max(widths) > 3  # never the fallback 4 drafts here
 
 
