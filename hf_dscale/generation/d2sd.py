@@ -72,7 +72,7 @@ def top_prefixes(confidences: torch.Tensor, k: int) -> list[int]:
 
 
 def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.Tensor, scores: torch.Tensor,
-                    k: int) -> list[tuple[int, int, int]]:
+                    k: int, columns: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
     """The k best (row j, boundary i, first token) branch starts over all boundaries, best first.
 
     A branch that leaves the spine at boundary i with token a pays off when the spine is rejected
@@ -80,18 +80,31 @@ def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.T
     q(a) / (1 - q(spine token)). Several branches may leave at one boundary; each continues with the
     VP drafter's argmax after its first token.
 
+    `columns` gives the token id of each column of compact logits (`DraftVocab.ids`); None = the columns are the
+    vocabulary. A spine token outside those columns has q = 0 there.
+
     Example: r = [0.8, 0.1], VP beliefs at boundary 0 beyond the spine's token 0.5, 0.3, at boundary
     1 0.9 -> scores 0.4, 0.24, 0.09: two branches at the root before one at depth 1.
     """
     options = []
     for j, i in enumerate(prefixes):
         q = vp_logits[j, i].float().softmax(-1)
-        rest = (1 - q[spine[i]]).clamp_min(1e-6)
-        q[spine[i]] = 0
-        values, tokens = q.topk(k)
+        token = int(spine[i])
+        spine_column = token if columns is None else _column_of(columns, token)
+        rest = 1.0
+        if spine_column is not None:
+            rest = (1 - q[spine_column]).clamp_min(1e-6)
+            q[spine_column] = 0
+        values, picked = q.topk(min(k, q.numel()))
+        tokens = picked if columns is None else columns[picked]
         options += [(float(scores[i] * v / rest), j, i, int(t)) for v, t in zip(values, tokens)]
     options.sort(key=lambda option: -option[0])
     return [(j, i, t) for _, j, i, t in options[:k]]
+
+
+def _column_of(columns: torch.Tensor, token: int) -> int | None:
+    hit = (columns == token).nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
 
 
 def _check_pair(drafter, vp_drafter) -> None:
@@ -140,21 +153,28 @@ class _TreeDecoder(_Decoder):
         rows[:, 0] = self.anchors[0]
         for j, i in enumerate(prefixes):
             rows[j, 1 : i + 1] = spine[:i]
+        # Compact VP logits (its vocabulary's columns only) skip spreading K x (γ-1) rows over the whole
+        # vocabulary, which costs more than the products on a CPU; `columns` maps a column to its token.
+        columns = None if self.vp_vocab is None else self.vp_vocab.ids
         vp_logits = self.vp_drafter.block_logits(rows, self.anchor_pos, self.taps[:, :, self.vp_tap_index],
-                                                 self.ctx_pos, self.vp_cache, valid, self.vp_vocab).float()  # [K, γ-1, V]
+                                                 self.ctx_pos, self.vp_cache, valid, self.vp_vocab,
+                                                 compact=columns is not None).float()  # [K, γ-1, V or |vocab|]
+
+        def tokens(picked: torch.Tensor) -> list[int]:
+            return (picked if columns is None else columns[picked]).tolist()
+
         spine_list = spine.tolist()
         candidates = [spine_list]
         if self.branch_policy == "ranked":
             scores = boundary_scores(confidences)
-            for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches):
-                candidates.append(spine_list[:i] + [token] + vp_logits[j, i + 1 : depth].argmax(-1).tolist())
+            for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches, columns):
+                candidates.append(spine_list[:i] + [token] + tokens(vp_logits[j, i + 1 : depth].argmax(-1)))
             return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
         for j, i in enumerate(prefixes):
-            fill = vp_logits[j, i:depth].argmax(-1)
-            if self.branch_policy == "distinct" and int(fill[0]) == spine_list[i]:
-                second = vp_logits[j, i].topk(2).indices[1]
-                fill = torch.cat((second[None], vp_logits[j, i + 1 : depth].argmax(-1)))
-            candidates.append(spine_list[:i] + fill.tolist())
+            fill = tokens(vp_logits[j, i:depth].argmax(-1))
+            if self.branch_policy == "distinct" and fill[0] == spine_list[i]:
+                fill[0] = tokens(vp_logits[j, i].topk(2).indices[1:])[0]
+            candidates.append(spine_list[:i] + fill)
         return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
 
     def cycle(self) -> None:

@@ -41,6 +41,21 @@ def test_ranked_branches_spend_branches_where_rejection_is_likely():
     assert ranked_branches(probs.log(), [0, 1], spine, scores, k=1) == [(0, 0, 3)]
 
 
+def test_ranked_branches_read_compact_columns_as_the_whole_vocabulary():
+    """Compact VP logits (a draft vocabulary's columns, `columns` their token ids) pick the same branches as
+    the same logits spread over the whole vocabulary, whether the spine's token is among the columns or not."""
+    torch.manual_seed(0)
+    columns = torch.tensor([4, 9, 11, 17, 22, 28, 31, 36])
+    compact = torch.randn(2, 3, len(columns))
+    whole = torch.full((2, 3, 40), float("-inf")).index_copy(-1, columns, compact)
+    prefixes, scores = [0, 2], torch.tensor([0.5, 0.2, 0.3])
+    for spine in (torch.tensor([17, 9, 22]), torch.tensor([5, 3, 30])):  # among the columns / outside them
+        for k in (1, 3, 5):
+            chosen = ranked_branches(compact, prefixes, spine, scores, k, columns)
+            assert chosen == ranked_branches(whole, prefixes, spine, scores, k)
+            assert all(token in columns.tolist() for _, _, token in chosen)
+
+
 def test_top_prefixes_are_the_k_largest_ascending():
     c = torch.tensor([0.99, 0.2, 0.99, 0.99, 0.1, 0.9, 0.5])
     r = boundary_scores(c)
@@ -378,3 +393,32 @@ def test_hub_style_custom_generate_folder_takes_the_vp_drafter():
                            drafter=tiny_drafter(target), vp_drafter=tiny_drafter(target, seed=8), dscale_stats=stats)
     assert torch.equal(plain, spec)
     assert stats.verified  # the tree path ran
+
+
+@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+def test_a_vp_draft_vocab_proposes_as_its_whole_vocabulary_logits_masked(target, policy, monkeypatch):
+    """A VP drafter with a draft vocabulary scores only its columns and maps them back to token ids: the
+    trees are those of the same drafter over the whole vocabulary with the other tokens masked out."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    # Every token of the output plus some others, so the set does not grow during decoding; small ids are
+    # left out, so reading a column index as a token id would propose other tokens.
+    allowed = sorted(set(plain[0].tolist()) | set(range(60, 90)) - set(range(12)))
+    member = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    member[allowed] = True
+
+    class Masked(DScaleDrafter):
+        def block_logits(self, *args, **kwargs):
+            return super().block_logits(*args, **kwargs).masked_fill(~member, float("-inf"))
+
+    drafter = tiny_drafter(target)
+    with_vocab, masked = tiny_drafter(target, seed=7), tiny_drafter(target, seed=7, cls=Masked)
+    with_vocab.set_draft_vocab(allowed)
+    runs = []
+    for vp in (with_vocab, masked):
+        trees = _record_trees(monkeypatch)
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, custom_generate=custom_generate,
+                              drafter=drafter, vp_drafter=vp, branch_policy=policy)
+        assert torch.equal(plain, out)
+        runs.append(trees)
+    assert runs[0] == runs[1] and len(runs[0]) > 1
