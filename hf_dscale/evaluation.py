@@ -10,6 +10,8 @@ import torch
 
 from .generation import DecodeStats, custom_generate
 
+BENCH_METHODS = ("dscale", "dscale-tree", "d2sd")
+
 
 @dataclass
 class BenchResult:
@@ -49,7 +51,7 @@ class BenchResult:
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "per_prompt": self.per_prompt,
             **({"verify_tokens": verify_tokens} if verify_tokens else {}),
-            **({"tree_tokens": verify_tokens} if verify_tokens and self.method == "d2sd" else {}),
+            **({"tree_tokens": verify_tokens} if verify_tokens and self.method != "dscale" else {}),
         }
 
 
@@ -76,16 +78,21 @@ def bench_speculative(
 ) -> BenchResult:
     """Plain greedy `generate()` and the speculative method on the same prompts, alternating per prompt.
 
-    method "dscale" decodes with `drafter` alone; "d2sd" adds `vp_drafter` (extra keyword arguments such
-    as `num_branches` go to `custom_generate`).
+    method "dscale" decodes with `drafter` alone, verifying its block as a chain; "dscale-tree" verifies the
+    block plus the drafter's own runner-up alternatives as a token tree; "d2sd" adds `vp_drafter` (extra keyword
+    arguments such as `num_branches` go to `custom_generate`).
     """
+    if method not in BENCH_METHODS:
+        raise ValueError(f"method must be one of {BENCH_METHODS}, got {method!r}.")
     if (method == "d2sd") != (vp_drafter is not None):
-        raise ValueError("method 'd2sd' needs a VP drafter (--vp-drafter) and 'dscale' takes none.")
+        raise ValueError("method 'd2sd' needs a VP drafter (--vp-drafter); 'dscale' and 'dscale-tree' take none.")
     result = BenchResult(method=method)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
     spec_kw = dict(custom_generate=custom_generate, drafter=drafter, **method_kwargs)
     if vp_drafter is not None:
         spec_kw["vp_drafter"] = vp_drafter
+    if method == "dscale-tree":
+        spec_kw["draft_tree"] = True
     warm = prompts[0][1]
     target.generate(warm, max_new_tokens=4, do_sample=False)
     target.generate(warm, max_new_tokens=4, do_sample=False, **spec_kw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..evaluation import BENCH_METHODS
 from ..generation.d2sd import BRANCH_POLICIES
 from .common import add_cut_arg, add_model_args, emit_report, load_drafter, load_models
 
@@ -10,8 +11,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="tau, speedup and exactness of a drafter on a prompt file")
     add_model_args(p)
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
-    p.add_argument("--method", choices=["dscale", "d2sd"], default="dscale")
-    p.add_argument("--num-branches", type=int, default=4, help="d2sd: VP branches per cycle (K)")
+    p.add_argument("--method", choices=BENCH_METHODS, default="dscale",
+                   help="dscale: the drafter's block, verified as a chain; dscale-tree: that block plus the K best "
+                        "alternatives from the drafter's own distributions, verified as one token tree; d2sd: plus "
+                        "a variable-prefix drafter's re-drafted branches (--vp-drafter)")
+    p.add_argument("--num-branches", type=int, default=4, help="d2sd, dscale-tree: branches per cycle (K)")
     p.add_argument("--branch-policy", choices=BRANCH_POLICIES, default="ranked",
                    help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
@@ -62,16 +66,19 @@ def main(args) -> int:
     from ..training.data import read_prompts, render_prompt
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
-        raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); --method dscale takes none.")
+        raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and dscale-tree take "
+                         "none.")
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
-    resolve = resolve_tree_confidence if args.method == "d2sd" else resolve_draft_confidence
+    resolve = resolve_draft_confidence if args.method == "dscale" else resolve_tree_confidence
     confidence = resolve(args.draft_confidence, target.device)
     extra = {"draft_confidence": confidence}
     if args.method == "d2sd":
         extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
                       branch_policy=args.branch_policy)
+    elif args.method == "dscale-tree":
+        extra |= dict(num_branches=args.num_branches)
     rows = read_prompts(args.prompts, args.limit)
     prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
                for row in rows]

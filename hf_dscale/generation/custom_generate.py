@@ -33,6 +33,7 @@ def generate(
     generation_config=None,
     drafter=None,
     vp_drafter=None,
+    draft_tree: bool = False,
     num_branches: int = 4,
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
@@ -47,6 +48,9 @@ def generate(
         drafter: a `DScaleDrafter` (or a path to one) trained for `model`.
         vp_drafter: a variable-prefix drafter (or a path) to decode with D²SD: the first drafter's draft
             plus `num_branches` re-drafted branches, verified as one token tree. Batches run row by row.
+        draft_tree: without `vp_drafter`, verify the drafter's block plus its own `num_branches` best
+            alternatives (a runner-up token at one depth, then the block's later drafts) as one token tree:
+            more tokens per target forward for a wider verify, worth it where width is nearly free (a GPU).
         branch_policy: "ranked" (the K best (boundary, token) branch starts by rejection chance times
             the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
             starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
@@ -83,8 +87,8 @@ def generate(
         cache=compat.find_cache(model_kwargs),
         streamer=streamer_,
     )
-    if vp_drafter is not None:
-        vp_drafter = _load_drafter(vp_drafter, model)
+    if vp_drafter is not None or draft_tree:
+        vp_drafter = None if vp_drafter is None else _load_drafter(vp_drafter, model)
         sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
                                          branch_policy=branch_policy, tree_kernel=tree_kernel,
                                          draft_confidence=draft_confidence, **common)

@@ -1,4 +1,5 @@
-"""D²SD: a block drafter's draft plus a variable-prefix drafter's re-drafts, verified as one token tree.
+"""D²SD: a block drafter's draft plus a variable-prefix drafter's re-drafts, verified as one token tree (or,
+without the second drafter, the block drafter's own runner-up alternatives).
 
 One cycle (batch size 1; `tree_generate` runs a batch row by row):
 
@@ -21,6 +22,12 @@ One cycle (batch size 1; `tree_generate` runs a batch row by row):
 5. The target walks the tree (`walk_tree`): exact for greedy decoding, lossless for sampling. The
    target cache keeps only the accepted path's K/V and both drafters read that path's hidden states
    as their next context.
+
+Without a VP drafter (`vp_drafter=None`, `draft_tree=True` in `generate()`), step 3 reads the first drafter's
+own distributions instead: it fills every position of the block in one pass, so its runner-up tokens at each
+depth are alternatives whose later drafts are those of the spine (`own_branches`). The K best such swaps
+(one runner-up token each, scored by the chance of reaching their depth times the drafter's belief in them)
+join the spine in the tree; no second drafter, no second pass.
 
 With `draft_confidence` c > 0 every path of the tree stops at the depth where the first drafter's
 cumulative confidence falls below c (at least `min_drafts_for(target)`, as in single-drafter decoding; "auto",
@@ -102,6 +109,24 @@ def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.T
     return [(j, i, t) for _, j, i, t in options[:k]]
 
 
+def own_branches(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor, k: int,
+                 columns: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """The k best (depth i, token a) alternatives to a block draft from the block drafter's own logits, best first.
+
+    A block drafter fills every position in one pass, so its distribution p_{i+1} at depth i+1 does not depend
+    on the token at depth i: a branch that swaps the spine's t_{i+1} for a and keeps the spine's later drafts
+    holds the drafter's next-best guess at that depth. It pays off when the spine survives to depth i
+    (c_1…c_i) and the target's token there is a: `ranked_branches` with the drafter as its own VP drafter
+    scores r(i)·p(a)/(1 - c_{i+1}) = (c_1…c_i)·p(a), since c_{i+1} = p(t_{i+1}).
+
+    logits [depth, V or |columns|] (row i predicts spine[i]); `columns` as in `ranked_branches`.
+    """
+    depth = logits.shape[0]
+    rows = logits[None].expand(depth, -1, -1)
+    picked = ranked_branches(rows, list(range(depth)), spine, boundary_scores(confidences), k, columns)
+    return [(i, token) for _, i, token in picked]
+
+
 def _column_of(columns: torch.Tensor, token: int) -> int | None:
     hit = (columns == token).nonzero()
     return int(hit[0, 0]) if hit.numel() else None
@@ -122,19 +147,22 @@ class _TreeDecoder(_Decoder):
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
                  num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0):
-        layer_ids = sorted(set(drafter.config.target_layer_ids) | set(vp_drafter.config.target_layer_ids))
+        tap_sets = [drafter.config.target_layer_ids] + ([] if vp_drafter is None else [vp_drafter.config.target_layer_ids])
+        layer_ids = sorted(set().union(*tap_sets))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids,
                          draft_confidence)
         self.row, self.row_ids = row, [row]
         self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
-        self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
-        self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
         self.vp_vocab = None
+        if vp_drafter is not None:
+            self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
+            self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
         super().prefill(input_ids, valid)
-        self.vp_vocab = self.vp_drafter.draft_vocab_for(self.rows.sequence(self.row))
+        if self.vp_drafter is not None:
+            self.vp_vocab = self.vp_drafter.draft_vocab_for(self.rows.sequence(self.row))
 
     def _candidates(self) -> tuple[TokenTree, list[int]]:
         """Steps 1-4: the spine, the boundaries and the VP branches, as a token tree."""
@@ -147,6 +175,8 @@ class _TreeDecoder(_Decoder):
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         if self.vocab is not None:
             spine = self.vocab.ids[spine]
+        if self.vp_drafter is None:
+            return self._own_branches(logits[:depth], spine, confidences), list(range(depth))
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
         rows = spine.new_full((len(prefixes), gamma), self.vp_drafter.config.mask_token_id)
@@ -176,6 +206,16 @@ class _TreeDecoder(_Decoder):
                 fill[0] = tokens(vp_logits[j, i].topk(2).indices[1:])[0]
             candidates.append(spine_list[:i] + fill)
         return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
+
+    def _own_branches(self, logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor) -> TokenTree:
+        """Without a VP drafter: the spine plus the K best alternatives from the first drafter's own
+        distributions (`own_branches`), each continued with the spine's later drafts."""
+        columns = None if self.vocab is None else self.vocab.ids
+        spine_list = spine.tolist()
+        candidates = [spine_list] + [spine_list[:i] + [token] + spine_list[i + 1 :]
+                                     for i, token in own_branches(logits, spine, confidences, self.num_branches,
+                                                                  columns)]
+        return TokenTree.from_candidates(int(self.anchors[0]), candidates)
 
     def cycle(self) -> None:
         t0 = time.perf_counter()
@@ -232,7 +272,7 @@ class _TreeDecoder(_Decoder):
 def tree_generate(
     target,
     drafter,
-    vp_drafter,
+    vp_drafter,  # None: branches from the drafter's own distributions (`own_branches`)
     input_ids: torch.LongTensor,  # [B, P], left-padded
     attention_mask: torch.LongTensor | None = None,
     logits_processor=None,
@@ -266,9 +306,10 @@ def tree_generate(
             f"D²SD verifies a token tree with a 4D attention mask, which the target's attn_implementation {attn!r} "
             "does not take: load the target with attn_implementation='sdpa' (or 'eager')."
         )
-    _check_pair(drafter, vp_drafter)
+    if vp_drafter is not None:
+        _check_pair(drafter, vp_drafter)
     for model in (drafter, vp_drafter):
-        if model.target is not target:
+        if model is not None and model.target is not target:
             model.bind_target(target)
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     if input_ids.shape[0] > 1 and streamer is not None:

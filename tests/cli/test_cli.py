@@ -109,6 +109,27 @@ def test_bench_d2sd_draft_confidence_shrinks_the_tree(folders, tmp_path):
     assert capped["tree_tokens"] < full["tree_tokens"]
 
 
+def test_bench_dscale_tree_verifies_more_than_the_block(folders, tmp_path):
+    reports = {}
+    for method in ("dscale", "dscale-tree"):
+        out = tmp_path / f"{method}.json"
+        code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                     "--method", method, "--num-branches", "3", "--draft-confidence", "0", "--prompts", PROMPTS,
+                     "--limit", "1", "--max-new-tokens", "10", "--json", str(out)])
+        assert code == 0
+        reports[method] = json.loads(out.read_text())
+    chain, tree = reports["dscale"], reports["dscale-tree"]
+    assert tree["method"] == "dscale-tree" and tree["identical"] is True and "tree_tokens" not in chain
+    assert tree["tree_tokens"] > chain["verify_tokens"]  # spine + 3 branches, not the block alone
+
+
+def test_dscale_tree_with_a_vp_drafter_is_a_clear_error(folders, tmp_path, capsys):
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--vp-drafter", str(folders / "drafter"), "--method", "dscale-tree", "--prompts", PROMPTS])
+    assert code == 2
+    assert "dscale-tree take none" in capsys.readouterr().err
+
+
 def test_d2sd_without_vp_drafter_is_a_clear_error(folders, capsys):
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
                  "--method", "d2sd", "--prompts", PROMPTS])

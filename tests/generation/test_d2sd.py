@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
 from hf_dscale.generation import DecodeStats, custom_generate, d2sd
-from hf_dscale.generation.d2sd import boundary_scores, ranked_branches, top_prefixes
+from hf_dscale.generation.d2sd import boundary_scores, own_branches, ranked_branches, top_prefixes
 from hf_dscale.generation.decode import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import assistant, compat
@@ -422,3 +422,99 @@ def test_a_vp_draft_vocab_proposes_as_its_whole_vocabulary_logits_masked(target,
         assert torch.equal(plain, out)
         runs.append(trees)
     assert runs[0] == runs[1] and len(runs[0]) > 1
+
+
+# ------------------------------------------------------------------- the block drafter's own token tree
+def test_own_branches_worked_example():
+    # Depth 1: p(7) = 0.5 (the spine), p(3) = 0.3, p(5) = 0.15; depth 2: p(4) = 0.6 (the spine), p(2) = 0.35.
+    # Scores (c_1...c_i) p(a): 3 -> 0.3, 5 -> 0.15, at depth 2 2 -> 0.5 * 0.35 = 0.175.
+    probs = torch.full((2, 10), 1e-4)
+    probs[0, 7], probs[0, 3], probs[0, 5] = 0.5, 0.3, 0.15
+    probs[1, 4], probs[1, 2] = 0.6, 0.35
+    spine, confidences = torch.tensor([7, 4]), torch.tensor([0.5, 0.6])
+    assert own_branches(probs.log(), spine, confidences, k=3) == [(0, 3), (1, 2), (0, 5)]
+    assert own_branches(probs.log(), spine, confidences, k=1) == [(0, 3)]
+
+
+def test_own_branches_read_compact_columns_as_the_whole_vocabulary():
+    torch.manual_seed(1)
+    columns = torch.tensor([4, 9, 11, 17, 22, 28])
+    compact = torch.randn(3, len(columns))
+    whole = torch.full((3, 30), float("-inf")).index_copy(-1, columns, compact)
+    confidences, picked = compact.softmax(-1).max(-1)
+    spine = columns[picked]
+    for k in (1, 4, 9):
+        chosen = own_branches(compact, spine, confidences, k, columns)
+        assert chosen == own_branches(whole, spine, confidences, k)
+        assert len(chosen) == min(k, 3 * (len(columns) - 1))
+        assert all(token in columns.tolist() and token != int(spine[i]) for i, token in chosen)
+
+
+class _RunnerUpOracle(OracleDrafter):
+    """An oracle block drafter that, when wrong, ranks the right token a close second (as a good drafter does)."""
+
+    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
+                     vocab=None, compact=False):
+        real = DScaleDrafter.draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache,
+                                          context_valid, vocab)
+        logits = torch.zeros_like(real)
+        seq = self.oracle[0]
+        for k in range(real.shape[1]):
+            pos = int(anchor_positions[0]) + 1 + k
+            right = seq[pos] if pos < len(seq) else 0
+            if torch.rand(()) < self.error_rate:
+                logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 3.0
+                logits[0, k, right] += 2.5
+            else:
+                logits[0, k, right] += 30.0
+        return restrict(logits, vocab, compact)
+
+
+def test_own_tree_greedy_identity_random_drafter(target):
+    drafter = tiny_drafter(target)
+    for seed, (length, new) in enumerate([(5, 17), (12, 40)]):
+        ids, _ = _prompt(1, length, seed)
+        plain = target.generate(ids, max_new_tokens=new, do_sample=False)
+        for k in (1, 4):
+            spec = target.generate(ids, max_new_tokens=new, do_sample=False, custom_generate=custom_generate,
+                                   drafter=drafter, draft_tree=True, num_branches=k)
+            assert torch.equal(plain, spec)
+
+
+def test_own_tree_greedy_identity_batched_with_processors_and_eos():
+    target = tiny_target("llama", eos=5)
+    ids, mask = _prompt(3, 9, seed=2)
+    kw = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    drafter = tiny_drafter(target, cls=OracleDrafter)
+    drafter.oracle, drafter.error_rate = oracle_from(plain, mask), 0.3
+    spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate,
+                           drafter=drafter, draft_tree=True)
+    assert torch.equal(plain, spec)
+
+
+def test_own_tree_recovers_runner_up_drafts(target, monkeypatch):
+    """Where the drafter's runner-up is the target's token, a branch carries it and the spine's later drafts:
+    the own tree commits far more per forward than the chain, and every branch swaps exactly one spine token."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+    torch.manual_seed(0)
+    drafter = tiny_drafter(target, cls=_RunnerUpOracle)
+    drafter.oracle, drafter.error_rate = oracle_from(plain), 0.3
+    chain_stats, tree_stats = DecodeStats(), DecodeStats()
+    kw = dict(max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=drafter, draft_confidence=0)
+    chain = target.generate(ids, **kw, dscale_stats=chain_stats)
+    trees = _record_trees(monkeypatch)
+    tree = target.generate(ids, **kw, draft_tree=True, num_branches=4, dscale_stats=tree_stats)
+    assert torch.equal(plain, chain) and torch.equal(plain, tree)
+    assert tree_stats.tau > 1.25 * chain_stats.tau  # 4.5 against 3.3 here
+    for spine, *branches in trees:
+        assert len(branches) == 4
+        assert all(len(b) == len(spine) and sum(x != y for x, y in zip(b, spine)) == 1 for b in branches)
+
+
+def test_own_tree_sampling_through_generate_matches_target(setup):  # noqa: F811
+    target, drafter, prompt, exact = setup
+    samples = _tree_samples(target, drafter, None, prompt, seed=5, draft_tree=True)
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
