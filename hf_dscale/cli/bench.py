@@ -71,7 +71,7 @@ def main(args) -> int:
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
-    resolve = resolve_draft_confidence if args.method == "dscale" else resolve_tree_confidence
+    resolve = resolve_tree_confidence if args.method == "d2sd" else resolve_draft_confidence
     confidence = resolve(args.draft_confidence, target.device)
     extra = {"draft_confidence": confidence}
     if args.method == "d2sd":

@@ -74,7 +74,8 @@ def add_model_args(p, drafter_default=None) -> None:
 
 def add_cut_arg(p, tree: bool = False) -> None:
     """--draft-confidence: how much of each block to verify ("auto" or a number)."""
-    tree_note = "; d2sd: the token tree's depth, auto = 0.1" if tree else ""
+    tree_note = ("; dscale-tree: auto = the tree of the likeliest nodes with the most tokens expected per second, "
+                 "a number = every path's depth; d2sd: the tree's depth, auto = 0.1") if tree else ""
     p.add_argument("--draft-confidence", type=_cut, default=None,
                    help="how much of each block to verify: auto = the head with the most tokens expected per second "
                         "of verify (measured once for the target), a number in (0, 1) = the head whose cumulative "
@@ -91,12 +92,14 @@ def _cut(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
 
 
-def describe_cut(confidence, target, block_size: int) -> str:
+def describe_cut(confidence, target, block_size: int, tree: bool = False) -> str:
     """The cut in words, for the CLI's summary lines (the minimum as the decoding measured it, through the same
-    verify forward)."""
+    verify forward); `tree`: the drafter's own token tree."""
     from ..generation.decode import AUTO, min_drafts_for
     from ..generation.target_forward import TargetForward
 
+    if confidence == AUTO and tree:
+        return "draft_confidence auto: the likeliest tree nodes, as many as give the most tokens expected per second"
     if confidence == AUTO:
         return "draft_confidence auto: the head with the most tokens expected per second of verify"
     if confidence > 0:
@@ -127,12 +130,12 @@ def load_drafter(path: str, target):
 
 
 def emit_report(report: dict, json_path: str | None) -> None:
-    """Print a JSON report and, with --json, write it to that file too."""
+    """Print a JSON report and, with --json, write it to that file too (first, so a closed pipe loses nothing)."""
     text = json.dumps(report, indent=2)
-    print(text)
     if json_path:
         with open(json_path, "w") as f:
             f.write(text + "\n")
+    print(text)
 
 
 def training_progress(bar, out_dir: str):

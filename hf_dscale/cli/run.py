@@ -15,6 +15,10 @@ def add_parser(sub) -> None:
     add_model_args(p, drafter_default=DEFAULT_DRAFTER)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", action="store_true",
+                   help="verify the drafter's block plus its own runner-up alternatives as one token tree "
+                        "(bench's --method dscale-tree)")
+    p.add_argument("--num-branches", type=int, default=4, help="--tree: branches per cycle (K)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -30,9 +34,11 @@ def main(args) -> int:
     target, tokenizer, drafter = load_models(args)
     ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
-    result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, draft_confidence=confidence)
+    method, extra = ("dscale-tree", dict(num_branches=args.num_branches)) if args.tree else ("dscale", {})
+    result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
+                               draft_confidence=confidence, **extra)
     report = result.to_json()
-    cut = describe_cut(confidence, target, drafter.config.block_size)
+    cut = describe_cut(confidence, target, drafter.config.block_size, tree=args.tree)
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
           f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")

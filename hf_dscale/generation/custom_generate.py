@@ -50,7 +50,8 @@ def generate(
             plus `num_branches` re-drafted branches, verified as one token tree. Batches run row by row.
         draft_tree: without `vp_drafter`, verify the drafter's block plus its own `num_branches` best
             alternatives (a runner-up token at one depth, then the block's later drafts) as one token tree:
-            more tokens per target forward for a wider verify, worth it where width is nearly free (a GPU).
+            more tokens per target forward for a wider verify; on a CPU "auto" keeps only the nodes that pay
+            for their width (`draft_confidence`). Batches run row by row.
         branch_policy: "ranked" (the K best (boundary, token) branch starts by rejection chance times
             the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
             starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
@@ -59,8 +60,9 @@ def generate(
             than a narrow one (the CPU); output is unchanged. "auto": the head with the most tokens expected
             per second, from the drafter's confidences and the target's verify costs (measured once, ~3 s
             on a small CPU); a number in (0, 1): the head whose cumulative drafter confidence is at least
-            it; 0: the whole block. With `vp_drafter`, every path of the token tree stops at that depth
-            ("auto" = 0.1 there). Default: `drafter.draft_confidence` if set, else "auto" on a CPU and 0
+            it; 0: the whole block. In a token tree every path stops at that depth; with `vp_drafter`
+            "auto" = 0.1, with `draft_tree` it verifies the likeliest nodes, as many as give the most tokens
+            expected per second (`throughput_tree`). Default: `drafter.draft_confidence` if set, else "auto" on a CPU and 0
             on a GPU.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.

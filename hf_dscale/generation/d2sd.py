@@ -35,7 +35,10 @@ the CPU's default, is c = `CPU_DRAFT_CONFIDENCE` here, since a tree's verify wid
 are picked inside that head and branches end there too. That is for hardware where a wide verify costs
 more than a narrow one (a CPU): on SmolLM2 with K = 2 the tree holds about 12 tokens instead of 73 and
 keeps about half of D²SD's τ gain. The depth comes from confidences, never from drawn tokens, so
-sampling stays lossless.
+sampling stays lossless. The drafter's own tree has its own "auto" (`throughput_tree`): of the spine and its K
+branches, the nodes likeliest to be accepted by the drafter's beliefs, as many as give the most tokens expected per
+second of the cycle with the measured verify costs, so it is at most a block wide and is a bare chain where no
+branch pays.
 """
 
 from __future__ import annotations
@@ -116,15 +119,70 @@ def own_branches(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.T
     A block drafter fills every position in one pass, so its distribution p_{i+1} at depth i+1 does not depend
     on the token at depth i: a branch that swaps the spine's t_{i+1} for a and keeps the spine's later drafts
     holds the drafter's next-best guess at that depth. It pays off when the spine survives to depth i
-    (c_1…c_i) and the target's token there is a: `ranked_branches` with the drafter as its own VP drafter
-    scores r(i)·p(a)/(1 - c_{i+1}) = (c_1…c_i)·p(a), since c_{i+1} = p(t_{i+1}).
+    (c_1…c_i) and the target's token there is a, so it scores (c_1…c_i)·p(a): `ranked_branches` with the
+    drafter as its own VP drafter, r(i)·p(a)/(1 - c_{i+1}), since c_{i+1} = p(t_{i+1}).
 
     logits [depth, V or |columns|] (row i predicts spine[i]); `columns` as in `ranked_branches`.
     """
+    return [(i, token) for _, i, token in _own_options(logits, spine, confidences, k, columns)]
+
+
+def _own_options(logits, spine, confidences, k, columns=None) -> list[tuple[float, int, int]]:
+    """`own_branches` with their scores: [(score, depth i, token)], best first."""
+    probs = logits.float().softmax(-1)  # [depth, C]
+    depth, width = probs.shape
+    if columns is None:
+        is_spine = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, spine[:, None].to(probs.device), True)
+    else:
+        is_spine = columns[None, :] == spine[:, None]
+    reach = torch.cat((confidences.new_ones(1), confidences[:-1].cumprod(0))).float()  # c_1…c_i for depth i
+    scores = (reach[:, None] * probs).masked_fill_(is_spine, -1.0).flatten()
+    values, picked = scores.topk(min(k, depth * (width - 1)))
+    tokens = picked % width if columns is None else columns[picked % width]
+    return [(v, i, t) for v, i, t in zip(values.tolist(), (picked // width).tolist(), tokens.tolist())]
+
+
+def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor, k: int,
+                    costs: dict[int, float], overhead: float = 0.0,
+                    columns: torch.Tensor | None = None) -> list[list[int]]:
+    """The drafter's own tree cut for throughput: of the spine and its k best alternatives (`own_branches`, each
+    continued with the spine's later drafts), the n nodes most likely to be accepted, as token paths from the anchor.
+
+    A node's chance is the drafter's belief along its path: c_1…c_d for the spine's node at depth d, and
+    (c_1…c_i)·p_{i+1}(a)·c_{i+2}…c_d for the node at depth d of the branch that swaps in a at depth i+1. No
+    node is likelier than its parent, so the n likeliest form a tree. The cycle then commits 1 + the sum of their
+    chances in expectation and costs `overhead` + costs[n + 1] (the anchor and n nodes in one verify; measured
+    by `verify_costs_for`, which bounds n); n is the one with the most tokens expected per second, as
+    `throughput_length` picks a chain's.
+
+    logits [depth, V or |columns|] (row i predicts spine[i]); confidences [depth]; `columns` as in
+    `ranked_branches`.
+
+    Example: c = [0.9, 0.5], the root's runner-up at p 0.08, k 1, costs {2: 10, 3: 11, 4: 16} (ms) -> nodes 0.9,
+    0.45, 0.08 (and 0.04 below it): 1.9/10, 2.35/11, 2.43/16 -> the spine's two drafts, no branch.
+    """
     depth = logits.shape[0]
-    rows = logits[None].expand(depth, -1, -1)
-    picked = ranked_branches(rows, list(range(depth)), spine, boundary_scores(confidences), k, columns)
-    return [(i, token) for _, i, token in picked]
+    chance = confidences.float().tolist()
+    reach = [1.0]  # reach[i]: the spine's first i drafts all accepted
+    for c in chance:
+        reach.append(reach[-1] * c)
+    spine_list = spine.tolist()
+    nodes = [(reach[d], d, spine_list[:d]) for d in range(1, depth + 1)]  # (chance, depth, path)
+    for value, i, token in _own_options(logits, spine, confidences, k, columns):
+        path = spine_list[:i] + [token]
+        nodes.append((value, i + 1, path))
+        for d in range(i + 1, depth):
+            value, path = value * chance[d], path + [spine_list[d]]
+            nodes.append((value, d + 1, path))
+    nodes.sort(key=lambda node: (-node[0], node[1]))  # a tie puts the parent (shallower) first
+    nodes = nodes[: max(costs) - 1]
+    expected, best, best_rate = 1.0, 1, -1.0
+    for n, (value, _, _) in enumerate(nodes, start=1):
+        expected += value
+        rate = expected / (overhead + costs[n + 1])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return [path for _, _, path in nodes[:best]]
 
 
 def _column_of(columns: torch.Tensor, token: int) -> int | None:
@@ -150,7 +208,7 @@ class _TreeDecoder(_Decoder):
         tap_sets = [drafter.config.target_layer_ids] + ([] if vp_drafter is None else [vp_drafter.config.target_layer_ids])
         layer_ids = sorted(set().union(*tap_sets))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids,
-                         draft_confidence)
+                         draft_confidence, batch_size=1)
         self.row, self.row_ids = row, [row]
         self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
@@ -171,6 +229,13 @@ class _TreeDecoder(_Decoder):
         # The spine is greedy, so the drafter's logits over its draft vocabulary's columns are enough (compact).
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
                                            self.dcache, valid, self.vocab, compact=True)[0].float()
+        if self.vp_drafter is None and self.cut.costs is not None:  # "auto": the best-first tree
+            confidences, spine = logits.softmax(-1).max(-1)
+            columns = None if self.vocab is None else self.vocab.ids
+            spine = spine if columns is None else columns[spine]
+            overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
+            paths = throughput_tree(logits, spine, confidences, self.num_branches, self.cut.costs, overhead, columns)
+            return TokenTree.from_candidates(int(self.anchors[0]), paths), []
         depth = self.cut.length(logits[None])  # drafts on every path
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         if self.vocab is not None:
@@ -263,9 +328,11 @@ class _TreeDecoder(_Decoder):
         self.anchors = self.anchors.new_tensor([output[-1]])
         self.anchor_pos = self.anchor_pos + n
         self.stats.cycles += 1
+        t3 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
-        self.stats.other_s += time.perf_counter() - t2
+        self.stats.other_s += t3 - t2
+        self.overhead_s += (t1 - t0) + (t3 - t2)
 
 
 @torch.no_grad()
@@ -293,13 +360,14 @@ def tree_generate(
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
-    "auto" is `CPU_DRAFT_CONFIDENCE` here; None: the device's default (`resolve_tree_confidence`).
+    "auto" is `CPU_DRAFT_CONFIDENCE` with a VP drafter and `throughput_tree` without one; None: the device's default.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
     if num_branches < 1:
         raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
-    draft_confidence = resolve_tree_confidence(draft_confidence, input_ids.device)
+    resolve = resolve_tree_confidence if vp_drafter is not None else resolve_draft_confidence
+    draft_confidence = resolve(draft_confidence, input_ids.device)
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(

@@ -144,9 +144,9 @@ class _Decoder:
     """The loop's fixed parts (models, caches, processors) and its moving state (columns, anchors)."""
 
     def __init__(self, target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids=None,
-                 draft_confidence: float | str = 0.0):
+                 draft_confidence: float | str = 0.0, batch_size: int | None = None):
         self.target, self.drafter, self.rows = target, drafter, rows
-        batch, block_size = rows.prompt.shape[0], drafter.config.block_size
+        batch, block_size = batch_size or rows.prompt.shape[0], drafter.config.block_size  # rows per verify
         self.verify = TargetForward.for_target(target, block_size, batch)  # measured before the hooks, as is the cut
         self.cut = DraftCut.for_target(target, draft_confidence, block_size, batch, self.verify)
         self.cache, self.processors, self.criteria = cache, processors, criteria

@@ -252,6 +252,11 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     assert code == 0
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
     assert "draft_confidence auto: the head with the most tokens expected per second" in out  # the CPU's cut
+    code = main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8", "--tree"])
+    out = capsys.readouterr().out
+    assert code == 0 and "identical to plain greedy: True" in out
+    assert "the likeliest tree nodes" in out
 
 
 def test_train_dllm_then_bench_both_methods(tmp_path, capsys):

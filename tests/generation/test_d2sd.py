@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
 from hf_dscale.generation import DecodeStats, custom_generate, d2sd
-from hf_dscale.generation.d2sd import boundary_scores, own_branches, ranked_branches, top_prefixes
+from hf_dscale.generation.d2sd import boundary_scores, own_branches, ranked_branches, throughput_tree, top_prefixes
 from hf_dscale.generation.decode import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import assistant, compat
@@ -450,6 +450,44 @@ def test_own_branches_read_compact_columns_as_the_whole_vocabulary():
         assert all(token in columns.tolist() and token != int(spine[i]) for i, token in chosen)
 
 
+def test_throughput_tree_worked_example():
+    # c = [0.9, 0.5]; the root's runner-up (token 3) at p 0.08 beats depth 2's (0.9 * 0.06): nodes 0.9, 0.45, 0.08,
+    # 0.04. Costs {2: 10, 3: 11, 4: 16}: 1.9/10, 2.35/11, 2.43/16 tokens per ms -> the spine's two drafts.
+    probs = torch.tensor([[0.0025] * 10, [0.055] * 10])
+    probs[0, 7], probs[0, 3] = 0.9, 0.08
+    probs[1, 4], probs[1, 2] = 0.5, 0.06
+    logits, spine, confidences = probs.log(), torch.tensor([7, 4]), torch.tensor([0.9, 0.5])
+    costs = {1: 9.0, 2: 10.0, 3: 11.0, 4: 16.0}
+    assert throughput_tree(logits, spine, confidences, 1, costs) == [[7], [7, 4]]
+    # A third node nearly free (2.43/11.2 > 2.35/11): the branch joins, without its child (the costs stop at 4).
+    assert throughput_tree(logits, spine, confidences, 1, costs | {4: 11.2}) == [[7], [7, 4], [3]]
+    # A cycle overhead makes width relatively cheaper, not enough here: 2.35/41 > 2.43/46.
+    assert throughput_tree(logits, spine, confidences, 1, costs, overhead=30.0) == [[7], [7, 4]]
+    # A width that costs as much as the next step verifies only the first draft.
+    assert throughput_tree(logits, spine, confidences, 1, {1: 9.0, 2: 10.0, 3: 20.0, 4: 30.0}) == [[7]]
+    # Compact logits: columns map back to token ids.
+    columns = torch.arange(100, 110)
+    assert throughput_tree(logits, columns[spine], confidences, 1, costs | {4: 11.2}, columns=columns) == \
+        [[107], [107, 104], [103]]
+
+
+def test_throughput_tree_is_a_tree_of_the_likeliest_nodes():
+    """Flat costs take as many nodes as the costs cover, the likeliest first by the drafter's beliefs along each
+    path; every node's parent is in, and every branch swaps exactly one spine token."""
+    torch.manual_seed(3)
+    logits = torch.randn(7, 12) * 2
+    probs = logits.softmax(-1)
+    confidences, spine = probs.max(-1)
+    for width in (3, 8, 12):
+        paths = throughput_tree(logits, spine, confidences, 4, {w: 1.0 for w in range(1, width + 1)})
+        assert len(paths) == width - 1 and len({tuple(p) for p in paths}) == len(paths)
+        assert all(tuple(p[:-1]) in {tuple(q) for q in paths} for p in paths if len(p) > 1)
+        chances = [float(torch.tensor([probs[i, t] for i, t in enumerate(p)]).prod()) for p in paths]
+        assert all(a >= b - 1e-6 for a, b in zip(chances, chances[1:]))  # likeliest first
+        spine_paths = [spine[:d].tolist() for d in range(1, 8)]
+        assert all(sum(x != y for x, y in zip(p, spine.tolist())) == 1 for p in paths if p not in spine_paths)
+
+
 class _RunnerUpOracle(OracleDrafter):
     """An oracle block drafter that, when wrong, ranks the right token a close second (as a good drafter does)."""
 
@@ -511,6 +549,25 @@ def test_own_tree_recovers_runner_up_drafts(target, monkeypatch):
     for spine, *branches in trees:
         assert len(branches) == 4
         assert all(len(b) == len(spine) and sum(x != y for x, y in zip(b, spine)) == 1 for b in branches)
+
+
+def test_own_tree_auto_stays_within_the_measured_widths(target, monkeypatch):
+    """draft_confidence="auto": each cycle's tree is the likeliest nodes within the block's measured widths, branches
+    included where the costs allow, and output is unchanged."""
+    ids, _ = _prompt(1, 10, seed=3)
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+    torch.manual_seed(0)
+    drafter = tiny_drafter(target, cls=_RunnerUpOracle)
+    drafter.oracle, drafter.error_rate = oracle_from(plain), 0.3
+    block = drafter.config.block_size
+    flat = {w: 1.0 for w in range(1, block + 1)}  # every width costs the same: the tree fills the block's width
+    monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: flat)
+    trees, stats = _record_trees(monkeypatch), DecodeStats()
+    out = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=drafter,
+                          draft_tree=True, draft_confidence="auto", dscale_stats=stats)
+    assert torch.equal(plain, out)
+    assert all(v == block for v in stats.verified)  # anchor + block - 1 nodes
+    assert any(len(set(map(len, paths))) < len(paths) for paths in trees)  # some tree has two nodes at a depth
 
 
 def test_own_tree_sampling_through_generate_matches_target(setup):  # noqa: F811
