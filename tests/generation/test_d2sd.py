@@ -183,10 +183,14 @@ class _ConfidentOracle(OracleDrafter):
             pos = int(anchor_positions[0]) + 1 + k
             right = seq[pos] if pos < len(seq) else 0
             if torch.rand(()) < self.error_rate:
-                logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 1.0  # wrong and unsure
+                self.miss(logits[0, k], right)
             else:
                 logits[0, k, right] += 30.0
         return restrict(logits, vocab, compact)
+
+    @staticmethod
+    def miss(row: torch.Tensor, right: int) -> None:
+        row[(right + 1) % (row.shape[-1] - 1)] += 1.0  # wrong and unsure
 
 
 class _OracleVP(OracleDrafter):
@@ -488,24 +492,13 @@ def test_throughput_tree_is_a_tree_of_the_likeliest_nodes():
         assert all(sum(x != y for x, y in zip(p, spine.tolist())) == 1 for p in paths if p not in spine_paths)
 
 
-class _RunnerUpOracle(OracleDrafter):
+class _RunnerUpOracle(_ConfidentOracle):
     """An oracle block drafter that, when wrong, ranks the right token a close second (as a good drafter does)."""
 
-    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
-                     vocab=None, compact=False):
-        real = DScaleDrafter.draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache,
-                                          context_valid, vocab)
-        logits = torch.zeros_like(real)
-        seq = self.oracle[0]
-        for k in range(real.shape[1]):
-            pos = int(anchor_positions[0]) + 1 + k
-            right = seq[pos] if pos < len(seq) else 0
-            if torch.rand(()) < self.error_rate:
-                logits[0, k, (right + 1) % (real.shape[-1] - 1)] += 3.0
-                logits[0, k, right] += 2.5
-            else:
-                logits[0, k, right] += 30.0
-        return restrict(logits, vocab, compact)
+    @staticmethod
+    def miss(row: torch.Tensor, right: int) -> None:
+        row[(right + 1) % (row.shape[-1] - 1)] += 3.0
+        row[right] += 2.5
 
 
 def test_own_tree_greedy_identity_random_drafter(target):
