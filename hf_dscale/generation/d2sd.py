@@ -371,8 +371,8 @@ def tree_generate(
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(
-            f"D²SD verifies a token tree with a 4D attention mask, which the target's attn_implementation {attn!r} "
-            "does not take: load the target with attn_implementation='sdpa' (or 'eager')."
+            f"D²SD and draft_tree verify a token tree with a 4D attention mask, which the target's attn_implementation "
+            f"{attn!r} does not take: load the target with attn_implementation='sdpa' (or 'eager')."
         )
     if vp_drafter is not None:
         _check_pair(drafter, vp_drafter)

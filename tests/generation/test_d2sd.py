@@ -339,7 +339,7 @@ def test_greedy_identity_batched_with_processors_and_eos(vp_error_rate):
     assert torch.equal(plain, spec)
 
 
-def test_rejects_mismatched_block_sizes_and_flash_attention(target):
+def test_rejects_mismatched_block_sizes_and_flash_attention(target, monkeypatch):
     drafter, vp = tiny_drafter(target, block_size=8), tiny_drafter(target, block_size=4)
     ids, _ = _prompt(1, 6, 0)
     with pytest.raises(ValueError, match="block_size"):
@@ -347,6 +347,10 @@ def test_rejects_mismatched_block_sizes_and_flash_attention(target):
     with pytest.raises(ValueError, match="branch_policy"):
         target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter,
                         vp_drafter=tiny_drafter(target), branch_policy="best")
+    monkeypatch.setattr(compat, "attention_implementation", lambda model: "flash_attention_2")
+    for kw in (dict(vp_drafter=tiny_drafter(target)), dict(draft_tree=True)):
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter, **kw)
 
 
 def _tree_samples(target, drafter, vp, prompt, rows=1500, seed=0, **kwargs):
