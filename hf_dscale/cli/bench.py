@@ -66,8 +66,8 @@ def main(args) -> int:
     from ..training.data import read_prompts, render_prompt
 
     if (args.method == "d2sd") != (args.vp_drafter is not None):
-        raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and dscale-tree take "
-                         "none.")
+        raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and "
+                         "dscale-tree take none.")
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)

@@ -62,8 +62,8 @@ def generate(
             on a small CPU); a number in (0, 1): the head whose cumulative drafter confidence is at least
             it; 0: the whole block. In a token tree every path stops at that depth; with `vp_drafter`
             "auto" = 0.1, with `draft_tree` it verifies the likeliest nodes, as many as give the most tokens
-            expected per second (`throughput_tree`). Default: `drafter.draft_confidence` if set, else "auto" on a CPU and 0
-            on a GPU.
+            expected per second (`throughput_tree`). Default: `drafter.draft_confidence` if set, else "auto"
+            on a CPU and 0 on a GPU.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:

@@ -205,8 +205,8 @@ class _TreeDecoder(_Decoder):
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
                  num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0):
-        tap_sets = [drafter.config.target_layer_ids] + ([] if vp_drafter is None else [vp_drafter.config.target_layer_ids])
-        layer_ids = sorted(set().union(*tap_sets))
+        layer_ids = sorted(set(drafter.config.target_layer_ids)
+                           | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids,
                          draft_confidence, batch_size=1)
         self.row, self.row_ids = row, [row]
@@ -222,26 +222,21 @@ class _TreeDecoder(_Decoder):
         if self.vp_drafter is not None:
             self.vp_vocab = self.vp_drafter.draft_vocab_for(self.rows.sequence(self.row))
 
-    def _candidates(self) -> tuple[TokenTree, list[int]]:
-        """Steps 1-4: the spine, the boundaries and the VP branches, as a token tree."""
+    def _candidates(self) -> TokenTree:
+        """Steps 1-4: the spine, the boundaries and the branches (the VP drafter's, or without one the first
+        drafter's own), as a token tree."""
         valid = None if bool(self.valid.all()) else self.valid
         anchor = self.anchors[:, None]
         # The spine is greedy, so the drafter's logits over its draft vocabulary's columns are enough (compact).
         logits = self.drafter.draft_logits(anchor, self.taps[:, :, self.tap_index], self.anchor_pos, self.ctx_pos,
                                            self.dcache, valid, self.vocab, compact=True)[0].float()
-        if self.vp_drafter is None and self.cut.costs is not None:  # "auto": the best-first tree
-            confidences, spine = logits.softmax(-1).max(-1)
-            columns = None if self.vocab is None else self.vocab.ids
-            spine = spine if columns is None else columns[spine]
-            overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
-            paths = throughput_tree(logits, spine, confidences, self.num_branches, self.cut.costs, overhead, columns)
-            return TokenTree.from_candidates(int(self.anchors[0]), paths), []
-        depth = self.cut.length(logits[None])  # drafts on every path
+        sized = self.vp_drafter is None and self.cut.costs is not None  # "auto" on the own tree: `throughput_tree`
+        depth = logits.shape[0] if sized else self.cut.length(logits[None])  # drafts on every path
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         if self.vocab is not None:
             spine = self.vocab.ids[spine]
         if self.vp_drafter is None:
-            return self._own_branches(logits[:depth], spine, confidences), list(range(depth))
+            return self._own_tree(logits[:depth], spine, confidences, sized)
         prefixes = top_prefixes(confidences, self.num_branches)
         gamma = self.drafter.config.block_size
         rows = spine.new_full((len(prefixes), gamma), self.vp_drafter.config.mask_token_id)
@@ -264,27 +259,33 @@ class _TreeDecoder(_Decoder):
             scores = boundary_scores(confidences)
             for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches, columns):
                 candidates.append(spine_list[:i] + [token] + tokens(vp_logits[j, i + 1 : depth].argmax(-1)))
-            return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
+            return TokenTree.from_candidates(int(self.anchors[0]), candidates)
         for j, i in enumerate(prefixes):
             fill = tokens(vp_logits[j, i:depth].argmax(-1))
             if self.branch_policy == "distinct" and fill[0] == spine_list[i]:
                 fill[0] = tokens(vp_logits[j, i].topk(2).indices[1:])[0]
             candidates.append(spine_list[:i] + fill)
-        return TokenTree.from_candidates(int(self.anchors[0]), candidates), prefixes
-
-    def _own_branches(self, logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor) -> TokenTree:
-        """Without a VP drafter: the spine plus the K best alternatives from the first drafter's own
-        distributions (`own_branches`), each continued with the spine's later drafts."""
-        columns = None if self.vocab is None else self.vocab.ids
-        spine_list = spine.tolist()
-        candidates = [spine_list] + [spine_list[:i] + [token] + spine_list[i + 1 :]
-                                     for i, token in own_branches(logits, spine, confidences, self.num_branches,
-                                                                  columns)]
         return TokenTree.from_candidates(int(self.anchors[0]), candidates)
+
+    def _own_tree(self, logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor,
+                  sized: bool) -> TokenTree:
+        """Without a VP drafter: the spine plus the K best alternatives from the first drafter's own
+        distributions (`own_branches`), each continued with the spine's later drafts; `sized` ("auto"): only
+        the nodes `throughput_tree` keeps."""
+        columns = None if self.vocab is None else self.vocab.ids
+        if sized:
+            overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
+            paths = throughput_tree(logits, spine, confidences, self.num_branches, self.cut.costs, overhead, columns)
+        else:
+            spine_list = spine.tolist()
+            paths = [spine_list] + [spine_list[:i] + [token] + spine_list[i + 1 :]
+                                    for i, token in own_branches(logits, spine, confidences, self.num_branches,
+                                                                 columns)]
+        return TokenTree.from_candidates(int(self.anchors[0]), paths)
 
     def cycle(self) -> None:
         t0 = time.perf_counter()
-        tree, _ = self._candidates()
+        tree = self._candidates()
         t1 = time.perf_counter()
         device, dtype = self.anchors.device, self.target.dtype
         start = self.valid.shape[1]
@@ -360,7 +361,8 @@ def tree_generate(
     `tree_kernel` runs the target's attention with the Triton cascade kernel during the call (default:
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
-    "auto" is `CPU_DRAFT_CONFIDENCE` with a VP drafter and `throughput_tree` without one; None: the device's default.
+    "auto" is `CPU_DRAFT_CONFIDENCE` with a VP drafter and `throughput_tree` without one; None: the device's
+    default.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -371,8 +373,8 @@ def tree_generate(
     attn = compat.attention_implementation(target)
     if attn.startswith("flash") or attn == "flex_attention":
         raise ValueError(
-            f"D²SD and draft_tree verify a token tree with a 4D attention mask, which the target's attn_implementation "
-            f"{attn!r} does not take: load the target with attn_implementation='sdpa' (or 'eager')."
+            f"D²SD and draft_tree verify a token tree with a 4D attention mask, which the target's "
+            f"attn_implementation {attn!r} does not take: load the target with attn_implementation='sdpa' (or 'eager')."
         )
     if vp_drafter is not None:
         _check_pair(drafter, vp_drafter)
