@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
                    help="d2sd: ranked = the K best (boundary, token) branch starts, several per boundary allowed; "
                         "distinct = one per boundary, the VP drafter's best token unlike the first draft's; "
                         "vp = the VP drafter's argmax everywhere (the paper's rule)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="dscale-tree, d2sd: add a prompt lookup's proposal (the tokens that followed the latest earlier "
+                        "occurrence of the last few tokens) to each tree")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -68,6 +71,8 @@ def main(args) -> int:
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and "
                          "dscale-tree take none.")
+    if args.prompt_lookup and args.method == "dscale":
+        raise ValueError("--prompt-lookup adds a branch to a token tree: use --method dscale-tree (or d2sd).")
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
@@ -79,6 +84,8 @@ def main(args) -> int:
                       branch_policy=args.branch_policy)
     elif args.method == "dscale-tree":
         extra |= dict(num_branches=args.num_branches)
+    if args.prompt_lookup:
+        extra |= dict(prompt_lookup=True)
     rows = read_prompts(args.prompts, args.limit)
     prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
                for row in rows]
@@ -90,7 +97,7 @@ def main(args) -> int:
     block_size = drafter.config.block_size
     verify = TargetForward.for_target(target, block_size)  # chosen once (batch 1) before the run; not again
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
-                  prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, prompt_lookup=args.prompt_lookup,
                   draft_confidence=confidence, min_drafts=cut_minimum(target, confidence, verify),
                   verify_costs_ms=None if confidence != AUTO else {  # measured once before the run; not again
                       str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, block_size, forward=verify).items()},

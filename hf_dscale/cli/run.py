@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
                    help="verify the drafter's block plus its own runner-up alternatives as one token tree "
                         "(bench's --method dscale-tree)")
     p.add_argument("--num-branches", type=int, default=4, help="--tree: branches per cycle (K)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="--tree: add a prompt lookup's proposal to each tree (bench's --prompt-lookup)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -30,11 +32,15 @@ def main(args) -> int:
     from ..generation.decode import resolve_draft_confidence
     from ..training.data import render_prompt
 
+    if args.prompt_lookup and not args.tree:
+        raise ValueError("--prompt-lookup adds a branch to a token tree: pass --tree as well.")
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
     target, tokenizer, drafter = load_models(args)
     ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     method, extra = ("dscale-tree", dict(num_branches=args.num_branches)) if args.tree else ("dscale", {})
+    if args.prompt_lookup:
+        extra["prompt_lookup"] = True
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
                                draft_confidence=confidence, **extra)
     report = result.to_json()

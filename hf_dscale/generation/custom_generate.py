@@ -38,6 +38,7 @@ def generate(
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
     draft_confidence: float | str | None = None,
+    prompt_lookup: bool = False,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
@@ -64,6 +65,10 @@ def generate(
             "auto" = 0.1, with `draft_tree` it verifies the likeliest nodes, as many as give the most tokens
             expected per second (`throughput_tree`). Default: `drafter.draft_confidence` if set, else "auto"
             on a CPU and 0 on a GPU.
+        prompt_lookup: with `draft_tree` or `vp_drafter`, add to each tree the tokens that followed the latest
+            earlier occurrence of the sequence's last few tokens (prompt lookup), weighed by how often such
+            proposals were accepted so far in the generation; helps where the output repeats its context (code,
+            quotes). No model pass; output is unchanged.
         streamer_: a transformers streamer (batch size 1).
         dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
     Returns:
@@ -74,6 +79,8 @@ def generate(
         draft_confidence = getattr(drafter, "draft_confidence", None)
     if generation_config.num_beams not in (None, 1) or (generation_config.num_return_sequences or 1) != 1:
         raise ValueError("hf_dscale speculative decoding supports num_beams=1 and num_return_sequences=1.")
+    if prompt_lookup and vp_drafter is None and not draft_tree:
+        raise ValueError("prompt_lookup adds a branch to a token tree: pass draft_tree=True as well (or a vp_drafter).")
     if streamer_ is not None and input_ids.shape[0] != 1:
         raise ValueError("Streamers support batch size 1 only.")
     pad = generation_config.pad_token_id
@@ -93,7 +100,7 @@ def generate(
         vp_drafter = None if vp_drafter is None else _load_drafter(vp_drafter, model)
         sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
                                          branch_policy=branch_policy, tree_kernel=tree_kernel,
-                                         draft_confidence=draft_confidence, **common)
+                                         draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, **common)
     else:
         sequences, stats = speculative_generate(model, drafter, input_ids, draft_confidence=draft_confidence,
                                                 **common)

@@ -39,6 +39,11 @@ sampling stays lossless. The drafter's own tree has its own "auto" (`throughput_
 branches, the nodes likeliest to be accepted by the drafter's beliefs, as many as give the most tokens expected per
 second of the cycle with the measured verify costs, so it is at most a block wide and is a bare chain where no
 branch pays.
+
+`prompt_lookup=True` adds one more path to every tree: the tokens that followed the latest earlier occurrence of
+the sequence's last few tokens (`lookup.PromptLookup`), which a drafter may not rank at all where the output
+repeats its context (code restating the function it completes). In the own tree's "auto" its nodes are weighed
+with the chances learnt from how its earlier proposals fared in the same generation.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
 from .decode import AUTO, CPU_DRAFT_CONFIDENCE, _commit, _Decoder, _Rows, lay_out, resolve_draft_confidence
+from .lookup import PromptLookup
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -143,8 +149,8 @@ def _own_options(logits, spine, confidences, k, columns=None) -> list[tuple[floa
 
 
 def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor, k: int,
-                    costs: dict[int, float], overhead: float = 0.0,
-                    columns: torch.Tensor | None = None) -> list[list[int]]:
+                    costs: dict[int, float], overhead: float = 0.0, columns: torch.Tensor | None = None,
+                    extra: tuple[tuple[list[int], list[float]], ...] = ()) -> list[list[int]]:
     """The drafter's own tree cut for throughput: of the spine and its k best alternatives (`own_branches`, each
     continued with the spine's later drafts), the n nodes most likely to be accepted, as token paths from the anchor.
 
@@ -156,7 +162,8 @@ def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torc
     `throughput_length` picks a chain's.
 
     logits [depth, V or |columns|] (row i predicts spine[i]); confidences [depth]; `columns` as in
-    `ranked_branches`.
+    `ranked_branches`. `extra`: more paths from the anchor, each with the chance of each of its prefixes
+    (non-increasing; a prompt lookup's, `PromptLookup.chances`); a node on several paths counts its best chance.
 
     Example: c = [0.9, 0.5], the root's runner-up at p 0.08, k 1, costs {2: 10, 3: 11, 4: 16} (ms) -> nodes 0.9,
     0.45, 0.08 (and 0.04 below it): 1.9/10, 2.35/11, 2.43/16 -> the spine's two drafts, no branch.
@@ -174,6 +181,15 @@ def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torc
         for d in range(i + 1, depth):
             value, path = value * chance[d], path + [spine_list[d]]
             nodes.append((value, d + 1, path))
+    for path, chances in extra:
+        nodes += [(value, d, path[:d]) for d, value in enumerate(chances[:depth], start=1)]
+    if extra:  # one node per path, at its best chance (a parent's best is still at least its child's)
+        kept = {}
+        for node in nodes:
+            key = tuple(node[2])
+            if key not in kept or node[0] > kept[key][0]:
+                kept[key] = node
+        nodes = list(kept.values())
     nodes.sort(key=lambda node: (-node[0], node[1]))  # a tie puts the parent (shallower) first
     nodes = nodes[: max(costs) - 1]
     expected, best, best_rate = 1.0, 1, -1.0
@@ -204,7 +220,8 @@ class _TreeDecoder(_Decoder):
     """The batch-1 D²SD loop; prefill is the block decoder's, with taps for both drafters."""
 
     def __init__(self, target, drafter, vp_drafter, rows, row, cache, processors, criteria, do_sample, streamer,
-                 num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0):
+                 num_branches: int = 4, branch_policy: str = "ranked", draft_confidence: float = 0.0,
+                 prompt_lookup: bool = False):
         layer_ids = sorted(set(drafter.config.target_layer_ids)
                            | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
         super().__init__(target, drafter, rows, cache, processors, criteria, do_sample, streamer, layer_ids,
@@ -213,12 +230,15 @@ class _TreeDecoder(_Decoder):
         self.vp_drafter, self.num_branches, self.branch_policy = vp_drafter, num_branches, branch_policy
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
         self.vp_vocab = None
+        self.prompt_lookup, self.lookup, self.proposal = prompt_lookup, None, ([], 0)
         if vp_drafter is not None:
             self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
             self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
         super().prefill(input_ids, valid)
+        if self.prompt_lookup:
+            self.lookup = PromptLookup(input_ids[0][valid[0]].tolist() + self.rows.generated[self.row])
         if self.vp_drafter is not None:
             self.vp_vocab = self.vp_drafter.draft_vocab_for(self.rows.sequence(self.row))
 
@@ -235,6 +255,8 @@ class _TreeDecoder(_Decoder):
         confidences, spine = logits[:depth].softmax(-1).max(-1)  # [depth]
         if self.vocab is not None:
             spine = self.vocab.ids[spine]
+        if self.lookup is not None:
+            self.proposal = self.lookup.propose(depth)
         if self.vp_drafter is None:
             return self._own_tree(logits[:depth], spine, confidences, sized)
         prefixes = top_prefixes(confidences, self.num_branches)
@@ -254,7 +276,7 @@ class _TreeDecoder(_Decoder):
             return (picked if columns is None else columns[picked]).tolist()
 
         spine_list = spine.tolist()
-        candidates = [spine_list]
+        candidates = [spine_list] + ([self.proposal[0]] if self.proposal[0] else [])
         if self.branch_policy == "ranked":
             scores = boundary_scores(confidences)
             for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, self.num_branches, columns):
@@ -271,16 +293,20 @@ class _TreeDecoder(_Decoder):
                   sized: bool) -> TokenTree:
         """Without a VP drafter: the spine plus the K best alternatives from the first drafter's own
         distributions (`own_branches`), each continued with the spine's later drafts; `sized` ("auto"): only
-        the nodes `throughput_tree` keeps."""
+        the nodes `throughput_tree` keeps. A prompt lookup's proposal, if any, is one more path."""
         columns = None if self.vocab is None else self.vocab.ids
+        proposal, n = self.proposal
         if sized:
             overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
-            paths = throughput_tree(logits, spine, confidences, self.num_branches, self.cut.costs, overhead, columns)
+            extra = ((proposal, self.lookup.chances(n, len(proposal))),) if proposal else ()
+            paths = throughput_tree(logits, spine, confidences, self.num_branches, self.cut.costs, overhead, columns,
+                                    extra)
         else:
             spine_list = spine.tolist()
             paths = [spine_list] + [spine_list[:i] + [token] + spine_list[i + 1 :]
                                     for i, token in own_branches(logits, spine, confidences, self.num_branches,
                                                                  columns)]
+            paths += [proposal] if proposal else []
         return TokenTree.from_candidates(int(self.anchors[0]), paths)
 
     def cycle(self) -> None:
@@ -313,6 +339,9 @@ class _TreeDecoder(_Decoder):
 
         output, path = walk_tree(tree, choose)
         committed = _commit(self.rows, self.row, output, torch.stack(scores), self.criteria)
+        if self.lookup is not None:
+            self.lookup.record(*self.proposal, output)
+            self.lookup.extend(output[:committed])
         self.stats.committed.append(committed)
         self.stats.verified.append(len(tree))
         if self.streamer is not None:
@@ -353,6 +382,7 @@ def tree_generate(
     branch_policy: str = "ranked",
     tree_kernel: bool | None = None,
     draft_confidence: float | str | None = None,
+    prompt_lookup: bool = False,
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """D²SD decoding until every row meets a stopping criterion; returns sequences [B, P + N] and stats.
 
@@ -362,7 +392,7 @@ def tree_generate(
     on CUDA when Triton is installed); otherwise the target's own SDPA/eager attention takes the mask.
     `draft_confidence` > 0 caps the tree's depth at the first drafter's confident head (module docstring);
     "auto" is `CPU_DRAFT_CONFIDENCE` with a VP drafter and `throughput_tree` without one; None: the device's
-    default.
+    default. `prompt_lookup` adds a prompt lookup's proposal to each tree (`PromptLookup`).
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -390,21 +420,22 @@ def tree_generate(
         target.set_attn_implementation(register_tree_attention())
     try:
         return _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria,
-                            do_sample, pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence)
+                            do_sample, pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence,
+                            prompt_lookup)
     finally:
         if tree_kernel:
             target.set_attn_implementation(attn)
 
 
 def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor, stopping_criteria, do_sample,
-                 pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence):
+                 pad_token_id, cache, streamer, num_branches, branch_policy, draft_confidence, prompt_lookup):
     b = input_ids.shape[0]
     stats = DecodeStats()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
     for i in range(b):
         row_cache = cache if (b == 1 and cache is not None) else compat.new_cache(target)
         decoder = _TreeDecoder(target, drafter, vp_drafter, rows, i, row_cache, logits_processor, stopping_criteria,
-                               do_sample, streamer, num_branches, branch_policy, draft_confidence)
+                               do_sample, streamer, num_branches, branch_policy, draft_confidence, prompt_lookup)
         try:
             decoder.prefill(input_ids[i : i + 1], valid[i : i + 1])  # left padding stays masked, as in generate()
             while not rows.finished[i]:

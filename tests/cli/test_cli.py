@@ -123,6 +123,25 @@ def test_bench_dscale_tree_verifies_more_than_the_block(folders, tmp_path):
     assert tree["tree_tokens"] > chain["verify_tokens"]  # spine + 3 branches, not the block alone
 
 
+def test_bench_and_run_with_prompt_lookup(folders, tmp_path, capsys):
+    out = tmp_path / "lookup.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--method", "dscale-tree", "--prompt-lookup", "--prompts", PROMPTS, "--limit", "1",
+                 "--max-new-tokens", "10", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["identical"] is True and report["prompt_lookup"] is True
+    code = main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8", "--tree", "--prompt-lookup"])
+    assert code == 0 and "identical to plain greedy: True" in capsys.readouterr().out
+    # A lookup is a branch of a token tree: the chain takes none.
+    assert main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt-lookup", "--prompts", PROMPTS]) == 2
+    assert "--method dscale-tree" in capsys.readouterr().err
+    assert main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt-lookup"]) == 2
+    assert "pass --tree as well" in capsys.readouterr().err
+
+
 def test_dscale_tree_with_a_vp_drafter_is_a_clear_error(folders, tmp_path, capsys):
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
                  "--vp-drafter", str(folders / "drafter"), "--method", "dscale-tree", "--prompts", PROMPTS])

@@ -4,8 +4,8 @@
                     drafter=drafter, max_new_tokens=256)
 
 Add `vp_drafter=<variable-prefix drafter>` for D²SD, or `draft_tree=True` for a token tree of the drafter's
-own alternatives (token-tree verification; `num_branches`, `branch_policy`, `tree_kernel` and `draft_confidence`
-pass through as well).
+own alternatives (token-tree verification; `num_branches`, `branch_policy`, `tree_kernel`, `draft_confidence` and
+`prompt_lookup`, a prompt lookup's proposal as one more path of each tree, pass through as well).
 
 transformers calls `generate(model=target, **all generate() arguments)`; we run `generate()` again with
 hf_dscale's decode loop plugged in, so that logits processors and stopping criteria are prepared as usual.
