@@ -43,3 +43,9 @@ for d in dscale dflash; do
   hf-dscale bench --target smollm2 --drafter "$RUNS/$d" --method dscale --prompts "$PROMPTS/eval_humaneval.jsonl" \
       --limit "$HUMANEVAL_LIMIT" --max-new-tokens 256 --json "$RUNS/$d-humaneval.json"
 done
+
+# 4. The two side by side, whole blocks, prompt by prompt (τ only: the ratio the equal-budget comparison asks for).
+for set in gsm8k humaneval; do
+  python "$(dirname "$0")/compare_drafters.py" "$RUNS/dscale" "$RUNS/dflash" --prompts "$PROMPTS/eval_$set.jsonl" \
+      --limit 20 --json "$RUNS/compare-$set.json"
+done
