@@ -516,7 +516,8 @@ def test_own_tree_greedy_identity_random_drafter(target):
             assert torch.equal(plain, spec)
 
 
-def test_own_tree_greedy_identity_batched_with_processors_and_eos():
+@pytest.mark.parametrize("prompt_lookup", [False, True])
+def test_own_tree_greedy_identity_batched_with_processors_and_eos(prompt_lookup):
     target = tiny_target("llama", eos=5)
     ids, mask = _prompt(3, 9, seed=2)
     kw = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
@@ -524,7 +525,7 @@ def test_own_tree_greedy_identity_batched_with_processors_and_eos():
     drafter = tiny_drafter(target, cls=OracleDrafter)
     drafter.oracle, drafter.error_rate = oracle_from(plain, mask), 0.3
     spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate,
-                           drafter=drafter, draft_tree=True)
+                           drafter=drafter, draft_tree=True, prompt_lookup=prompt_lookup)
     assert torch.equal(plain, spec)
 
 

@@ -11,7 +11,7 @@ from hf_dscale.generation.d2sd import throughput_tree
 from hf_dscale.generation.lookup import PromptLookup
 from hf_dscale.models.dscale import assistant
 
-from ..conftest import OracleDrafter, oracle_from, tiny_drafter, tiny_target
+from ..conftest import oracle_from, tiny_drafter
 from .test_acceptance import _pvalue
 from .test_d2sd import _RunnerUpOracle, _tree_samples
 from .test_exactness import _prompt
@@ -81,18 +81,6 @@ def test_prompt_lookup_greedy_identity_random_drafter(target):
                   prompt_lookup=True)
         for extra in (dict(draft_tree=True), dict(draft_tree=True, draft_confidence=0), dict(vp_drafter=vp)):
             assert torch.equal(plain, target.generate(ids, **kw, **extra)), extra
-
-
-def test_prompt_lookup_greedy_identity_batched_with_processors_and_eos():
-    target = tiny_target("llama", eos=5)
-    ids, mask = _prompt(3, 9, seed=2)
-    kw = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
-    plain = target.generate(input_ids=ids, attention_mask=mask, **kw)
-    drafter = tiny_drafter(target, cls=OracleDrafter)
-    drafter.oracle, drafter.error_rate = oracle_from(plain, mask), 0.3
-    spec = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=custom_generate,
-                           drafter=drafter, draft_tree=True, prompt_lookup=True)
-    assert torch.equal(plain, spec)
 
 
 def test_prompt_lookup_commits_more_where_the_output_repeats_itself(target, monkeypatch):
