@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..evaluation import BENCH_METHODS
 from ..generation.d2sd import BRANCH_POLICIES
-from .common import add_cut_arg, add_model_args, emit_report, load_drafter, load_models
+from .common import add_cut_arg, add_model_args, describe_machine, emit_report, load_drafter, load_models
 
 
 def add_parser(sub) -> None:
@@ -105,7 +105,8 @@ def main(args) -> int:
                   verify_head_transposed=sorted(verify.transposed or ()),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
-                  dtype=str(target.dtype))
+                  dtype=str(target.dtype),
+                  machine=describe_machine(target.device))
     emit_report(report, args.json)
     if args.plot:
         _plot(report["acceptance_histogram"], args.plot, f"{args.method}: tau = {report['tau']:.2f}")

@@ -129,6 +129,26 @@ def load_drafter(path: str, target):
     return drafter.bind_target(target)
 
 
+def describe_machine(device) -> dict:
+    """What a report's numbers were measured on: speedups depend on the CPU's vector units or the GPU, and on versions."""
+    import platform
+
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    machine = dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_count=os.cpu_count(),
+                   torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                   transformers=transformers.__version__)
+    if str(device).startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return machine
+
+
 def emit_report(report: dict, json_path: str | None) -> None:
     """Print a JSON report and, with --json, write it to that file too (first, so a closed pipe loses nothing)."""
     text = json.dumps(report, indent=2)

@@ -94,7 +94,7 @@ def bench_main(args) -> int:
     from ..evaluation import bench_dllm
     from ..models.dllm import DiffusionModel
     from ..training.dllm_tasks import make_problems
-    from .common import emit_report, pick_device
+    from .common import describe_machine, emit_report, pick_device
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"No model at {args.model} (a folder with config.json, weights and a tokenizer).")
@@ -114,6 +114,6 @@ def bench_main(args) -> int:
                         on_problem=lambda i: bar.update(1))
     bar.close()
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,
-                  device=str(device))
+                  device=str(device), machine=describe_machine(device))
     emit_report(report, args.json)
     return 0

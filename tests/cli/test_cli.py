@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from hf_dscale.cli import main
 from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE
@@ -44,6 +45,9 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert [p["id"] for p in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
     assert all(p["identical"] and p["tau"] >= 1.0 for p in report["per_prompt"])
     assert report["device"] == "cpu" and report["draft_confidence"] == "auto"  # the CPU's default cut
+    machine = report["machine"]  # what the speedup was measured on
+    assert machine["torch"] == torch.__version__ and machine["torch_threads"] == torch.get_num_threads()
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "gpu" not in machine
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
     assert report["verify_costs_ms"] == {str(w): round(1000 * s, 2) for w, s in cpu_like_costs(block_size).items()}
     assert report["min_drafts"] is None
@@ -291,6 +295,7 @@ def test_train_dllm_then_bench_both_methods(tmp_path, capsys):
         for key in ("method", "n_prompts", "nfe", "accuracy", "tokens_per_s"):
             assert key in report
         assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1
+        assert report["machine"]["transformers"] == transformers.__version__
     assert main(["card", "--drafter", str(out), "--bench", f"a={tmp_path / 'fast-dllm.json'}",
                  f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
     card = (out / "README.md").read_text()
