@@ -14,6 +14,8 @@ pooled τs to the first's and on how many prompts it was higher.
 
 import argparse
 import json
+import shlex
+import sys
 
 import torch
 from tqdm.auto import tqdm
@@ -54,11 +56,15 @@ for row in tqdm(rows, desc="prompts", unit="prompt"):
         mismatches.append(row["id"])
 
 reference = args.drafters[0]
-report = {"prompts": args.prompts, "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+drafter_of = dict(zip(args.drafters, drafters))
+report = {"command": shlex.join(["python", *sys.argv]), "prompts": args.prompts, "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
           "draft_confidence": args.draft_confidence, "identical": not mismatches, "mismatches": mismatches,
           "drafters": {}}
 for path in args.drafters:
-    entry = {"tau": round(stats[path].tau, 4), "per_prompt": per_prompt[path]}
+    config = drafter_of[path].config
+    entry = {"fusion": config.fusion, "draft_layers": config.num_hidden_layers,
+             "target_layer_ids": list(config.target_layer_ids), "tau": round(stats[path].tau, 4),
+             "per_prompt": per_prompt[path]}
     if path != reference:
         entry["tau_ratio"] = round(stats[path].tau / stats[reference].tau, 4)
         entry["higher_on"] = sum(a["tau"] > b["tau"] for a, b in zip(per_prompt[path], per_prompt[reference]))
