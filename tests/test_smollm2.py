@@ -81,3 +81,31 @@ def test_trust_remote_code_fresh_process_on_the_real_target(smollm2, tmp_path):
                              json.dumps(ids)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REMOTE-OK" in result.stdout
+
+
+def test_compare_drafters_reports_each_drafter_side_by_side(smollm2, tmp_path):
+    """examples/compare_drafters.py: both drafters decode the same prompts; the ratio is the second's τ over the first's."""
+    target, _ = smollm2
+    torch.manual_seed(0)
+    for name, fusion, taps in (("a", "layerwise", 9), ("b", "shared", 5)):
+        config = DScaleConfig.from_target(target.config, num_hidden_layers=1, mask_token_id=16, fusion=fusion,
+                                          num_taps=taps)
+        DScaleDrafter(config).save_pretrained(tmp_path / name)
+    out = tmp_path / "compare.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "compare_drafters.py")
+    result = subprocess.run([sys.executable, script, str(tmp_path / "a"), str(tmp_path / "b"), "--prompts", PROMPTS,
+                             "--limit", "2", "--max-new-tokens", "12", "--json", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["identical"] is True and report["n_prompts"] == 2 and "compare_drafters.py" in report["command"]
+    a, b = report["drafters"][str(tmp_path / "a")], report["drafters"][str(tmp_path / "b")]
+    shapes = (a["fusion"], len(a["target_layer_ids"]), b["fusion"], len(b["target_layer_ids"]))
+    assert shapes == ("layerwise", 9, "shared", 5)
+    assert [p["id"] for p in a["per_prompt"]] == [row["id"] for row in read_prompts(PROMPTS)[:2]]
+    assert b["tau_ratio"] == pytest.approx(b["tau"] / a["tau"], abs=1e-3) and 0 <= b["higher_on"] <= 2
+    for entry in (a, b):  # τ is tokens over forwards, each prompt's and the whole
+        assert all(p["tau"] >= 1.0 and p["forwards"] >= 1 for p in entry["per_prompt"])
+        prompts = entry["per_prompt"]
+        total = sum(p["tau"] * p["forwards"] for p in prompts) / sum(p["forwards"] for p in prompts)
+        assert entry["tau"] == pytest.approx(total, abs=1e-3)
