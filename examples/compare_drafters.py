@@ -57,7 +57,8 @@ for row in tqdm(rows, desc="prompts", unit="prompt"):
 
 reference = args.drafters[0]
 drafter_of = dict(zip(args.drafters, drafters))
-report = {"command": shlex.join(["python", *sys.argv]), "prompts": args.prompts, "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+report = {"command": shlex.join(["python", *sys.argv]), "prompts": args.prompts, "n_prompts": len(rows),
+          "max_new_tokens": args.max_new_tokens,
           "draft_confidence": args.draft_confidence, "identical": not mismatches, "mismatches": mismatches,
           "drafters": {}}
 for path in args.drafters:

@@ -84,7 +84,8 @@ def test_trust_remote_code_fresh_process_on_the_real_target(smollm2, tmp_path):
 
 
 def test_compare_drafters_reports_each_drafter_side_by_side(smollm2, tmp_path):
-    """examples/compare_drafters.py: both drafters decode the same prompts; the ratio is the second's τ over the first's."""
+    """examples/compare_drafters.py: both drafters decode the same prompts; the ratio is the second's τ over the
+    first's."""
     target, _ = smollm2
     torch.manual_seed(0)
     for name, fusion, taps in (("a", "layerwise", 9), ("b", "shared", 5)):

@@ -130,7 +130,8 @@ def load_drafter(path: str, target):
 
 
 def describe_machine(device) -> dict:
-    """What a report's numbers were measured on: speedups depend on the CPU's vector units or the GPU, and on versions."""
+    """What a report's numbers were measured on: a speedup depends on the CPU's vector units or the GPU, and on
+    the versions."""
     import platform
 
     import transformers
