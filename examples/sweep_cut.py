@@ -16,6 +16,7 @@ import time
 import torch
 
 from hf_dscale import DScaleDrafter
+from hf_dscale.cli.common import parse_cut
 from hf_dscale.generation import DecodeStats, custom_generate, target_forward
 from hf_dscale.models.dscale import assistant
 from hf_dscale.models.targets import load_target
@@ -36,7 +37,7 @@ drafter = DScaleDrafter.from_pretrained(args.drafter).eval().bind_target(target)
 def setting(text: str) -> tuple[float | str, int | None, bool]:
     text, _, path = text.partition("@")
     confidence, _, minimum = text.partition(":")
-    confidence = confidence if confidence == "auto" else float(confidence)
+    confidence = parse_cut(confidence)
     return confidence, None if minimum in ("", "auto") else int(minimum), path != "model"
 
 

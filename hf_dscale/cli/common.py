@@ -76,14 +76,15 @@ def add_cut_arg(p, tree: bool = False) -> None:
     """--draft-confidence: how much of each block to verify ("auto" or a number)."""
     tree_note = ("; dscale-tree: auto = the tree of the likeliest nodes with the most tokens expected per second, "
                  "a number = every path's depth; d2sd: the tree's depth, auto = 0.1") if tree else ""
-    p.add_argument("--draft-confidence", type=_cut, default=None,
+    p.add_argument("--draft-confidence", type=parse_cut, default=None,
                    help="how much of each block to verify: auto = the head with the most tokens expected per second "
                         "of verify (measured once for the target), a number in (0, 1) = the head whose cumulative "
                         f"drafter confidence is at least it, 0 = the whole block{tree_note} (default auto on a CPU, "
                         "where wide verifies cost more; 0 on a GPU)")
 
 
-def _cut(value: str) -> float | str:
+def parse_cut(value: str) -> float | str:
+    """A --draft-confidence value: "auto" (any case) or a number."""
     if value.strip().lower() == "auto":
         return "auto"
     try:
