@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fusion", choices=["layerwise", "shared"], default="layerwise",
                    help="layerwise = DScale, shared = DFlash")
     p.add_argument("--num-taps", type=int, default=None, help="default 9 (DScale) or 5 (DFlash)")
-    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-layers", type=int, default=2,
+                   help="the drafter's decoder layers (2: the shipped SmolLM2 drafter); at equal budget, layer-wise "
+                        "fusion's edge over the shared input was larger at 4 than at 2 (the SmolLM2 drafter's card)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="token that fills masked positions (default: the tokenizer's mask token; 16 for SmolLM2)")
