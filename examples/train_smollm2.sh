@@ -32,8 +32,8 @@ python "$(dirname "$0")/make_prompt_mix.py" --data "$PROMPTS" --out "$RUNS/mix.j
 hf-dscale train --target smollm2 --prompts "$RUNS/mix.jsonl" --limit-per-file "$ANSWERS" --data-dir "$RUNS/data" \
     --cache-taps "$CACHE_TAPS" --gen-batch-size "$GEN_BATCH" --out "$RUNS/gen" --steps 0
 
-# 2. Both drafters, same answers, depth, steps, batch, anchors and schedule: layer-wise fusion (DScale) and the
-#    shared fused input (DFlash). Four draft layers each: at two, layer-wise fusion has only two mixes to learn.
+# 2. Both drafters, same answers, depth (DRAFT_LAYERS), steps, batch, anchors and schedule: layer-wise fusion
+#    (DScale) and the shared fused input (DFlash).
 hf-dscale train --target smollm2 --data-dir "$RUNS/data" --fusion layerwise --draft-layers "$DRAFT_LAYERS" \
     --out "$RUNS/dscale" --steps "$STEPS" --batch-size "$BATCH" --grad-accum "$ACCUM" --num-anchors "$ANCHORS" \
     --lr "$LR" --save-every 100
