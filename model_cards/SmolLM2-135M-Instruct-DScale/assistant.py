@@ -6,9 +6,8 @@ the drafter's `scores`). A block-diffusion drafter also needs the target's hidde
 without touching transformers' internals:
 
 1. **Which target?** On the first call of a `generate()` the drafter walks up the Python call stack to
-   the frame of the target's `generate`/`_assisted_decoding` that holds this drafter as
-   `assistant_model` (or its `candidate_generator.assistant_model`). `drafter.bind_target(target)`
-   sets it explicitly instead.
+   the frame of the target's `generate` whose public argument `assistant_model` is this drafter.
+   `drafter.bind_target(target)` sets it explicitly instead.
 2. **Hidden states.** Forward hooks on the tapped decoder layers (public `torch.nn.Module` API) keep
    the outputs of the target's latest forward: the verification pass over `[last token | candidates]`.
    The drafter knows which sequence positions that pass covered (it wrote the candidates), so it
@@ -22,7 +21,9 @@ without touching transformers' internals:
    `drafter.draft_confidence` set to a number cuts at that cumulative confidence instead
    (`draft_length`). Elsewhere the whole block.
 
-A new `generate()` is recognised by its own copy of the generation config. This file is shipped with
+A new `generate()` is recognised by its own copy of the generation config, which transformers' assisted
+generator owns; when that copy is freed (the `generate()` has returned), the tap hooks are removed. This file is
+shipped with
 the model as remote code, so it imports only torch, transformers' public API and its siblings.
 """
 
@@ -281,7 +282,9 @@ class DScaleCandidateGenerator(CandidateGenerator):
 
     def __init__(self, drafter, generation_config=None, logits_processor=None):
         self.drafter = drafter
-        self.generation_config = generation_config
+        # Held weakly: the copy belongs to transformers' assisted generator and is freed when its generate() ends.
+        self._generation_config = None if generation_config is None else weakref.ref(generation_config)
+        self.do_sample = bool(getattr(generation_config, "do_sample", False))
         self.logits_processor = logits_processor
         confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
         self.cut = DraftCut.for_target(drafter.target, confidence, drafter.config.block_size)  # before the hooks
@@ -291,6 +294,11 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.context_len = 0  # sequence positions whose features the drafter has ingested
         self.covered_end: int | None = None  # sequence length at the end of the target's latest forward
         self.vocab = None  # the drafter's proposal set (`DraftVocab`), built at the first block
+
+    @property
+    def generation_config(self):
+        """The generation config of the `generate()` this generator serves (None once that has returned)."""
+        return None if self._generation_config is None else self._generation_config()
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **unused):
@@ -314,7 +322,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
                 self.vocab = drafter.draft_vocab_for(input_ids.to(device))
             else:
                 self.vocab.add(input_ids[:, self.context_len :].to(device))
-            do_sample = bool(getattr(self.generation_config, "do_sample", False))
+            do_sample = self.do_sample
             # Greedy without processors, the proposal and its cut need only the draft vocabulary's columns; the
             # kept drafts' scores are spread over the whole vocabulary afterwards (transformers reads that shape).
             compact = self.vocab is not None and not self.logits_processor and not do_sample
@@ -348,16 +356,17 @@ class DScaleCandidateGenerator(CandidateGenerator):
 
 
 def find_calling_target(drafter: nn.Module) -> nn.Module | None:
-    """The model whose `generate` is running with `drafter` as its assistant, found on the call stack."""
-    frame = inspect.currentframe()
+    """The model whose `generate` is running with `drafter` as its assistant, found on the call stack: the frame
+    of a module's method whose argument `assistant_model` is `drafter` (`generate`'s public argument).
+
+    The walk starts at the caller's frame and keeps no frame or locals snapshot afterwards, so no reference cycle
+    holds the running `generate()`'s objects (and the tap hooks) alive after it returns."""
+    frame = inspect.currentframe().f_back
     try:
         while frame is not None:
-            local = frame.f_locals
-            owner = local.get("self")
-            if isinstance(owner, nn.Module) and owner is not drafter and hasattr(owner, "generate"):
-                generator = local.get("candidate_generator")
-                if local.get("assistant_model") is drafter or getattr(generator, "assistant_model", None) is drafter:
-                    return owner
+            owner, assistant = (frame.f_locals.get(name) for name in ("self", "assistant_model"))
+            if assistant is drafter and isinstance(owner, nn.Module) and owner is not drafter:
+                return owner
             frame = frame.f_back
         return None
     finally:
@@ -400,10 +409,10 @@ def choose_tokens(
 def _session(drafter, generation_config, logits_processor) -> DScaleCandidateGenerator:
     """The generator of the running `generate()`, recognised by its own copy of the generation config."""
     session = drafter._assist
-    if session is not None and session.generation_config is generation_config:
+    if session is not None and generation_config is not None and session.generation_config is generation_config:
         return session
     if session is not None:
-        session.close()
+        _end_session(drafter, session)
     caller = find_calling_target(drafter)
     if caller is not None and caller is not drafter.target:
         drafter.bind_target(caller)
@@ -413,8 +422,18 @@ def _session(drafter, generation_config, logits_processor) -> DScaleCandidateGen
             "could not find the calling target. Call it through the target, or bind one with "
             "`drafter.bind_target(target)`."
         )
-    drafter._assist = DScaleCandidateGenerator(drafter, generation_config, logits_processor)
-    return drafter._assist
+    session = DScaleCandidateGenerator(drafter, generation_config, logits_processor)
+    drafter._assist = session
+    if generation_config is not None:  # freed when the target's generate() returns: remove the hooks then
+        weakref.finalize(generation_config, _end_session, drafter, session)
+    return session
+
+
+def _end_session(drafter, session: "DScaleCandidateGenerator") -> None:
+    """Remove `session`'s tap hooks and forget it (idempotent)."""
+    session.close()
+    if drafter._assist is session:
+        drafter._assist = None
 
 
 def assistant_generate(

@@ -3,11 +3,11 @@
     target.generate(**inputs, custom_generate="<this repo or folder>", trust_remote_code=True,
                     drafter=drafter, max_new_tokens=256)
 
-Add `vp_drafter=<variable-prefix drafter>` for D²SD, or `draft_tree=True` for a token tree of the drafter's
-own alternatives (token-tree verification; `num_branches`, `branch_policy`, `tree_kernel`, `draft_confidence` and
-`prompt_lookup`, a prompt lookup's proposal as one more path of each tree, pass through as well).
+`drafter` is a drafter model or its folder / Hub id. Add `vp_drafter=` for D²SD, or `draft_tree=True` (with
+`prompt_lookup=True`) for a token tree of the drafter's own alternatives; every option of
+`hf_dscale.generation.custom_generate` passes through.
 
-transformers calls `generate(model=target, **all generate() arguments)`; we run `generate()` again with
+transformers calls `generate(model=target, **all generate() arguments)`; this runs `generate()` again with
 hf_dscale's decode loop plugged in, so that logits processors and stopping criteria are prepared as usual.
 """
 
