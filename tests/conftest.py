@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random targets (Llama, Qwen3) and drafters.
+"""Shared fixtures: tiny random targets (Llama, Qwen3, and the sliding-window families) and drafters.
 
 `OracleDrafter` is a real `DScaleDrafter` (its forward and caches run every step) whose proposals are
 replaced by a known continuation with injected errors, so the decode loops see long accepted runs,
@@ -15,7 +15,22 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter on the CPU (set before they are defined)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hf_dscale import DScaleConfig, DScaleDrafter
 from hf_dscale.generation import target_forward
@@ -61,15 +76,38 @@ def split_head_everywhere(monkeypatch):
     monkeypatch.setattr(target_forward, "faster_transposed", lambda head, widths, batch_size=1: set(widths))
 
 
-def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int | None = None):
+FAMILIES = ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3")
+SLIDING_FAMILIES = FAMILIES[2:]  # each with a sliding window of WINDOW tokens on some or all layers
+WINDOW = 8
+
+
+def tiny_target(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, eos: int | None = None,
+                window: int | None = WINDOW):
+    """A tiny random causal LM of a family. The sliding-window families slide over `window` tokens (None: they
+    attend to everything): Mistral and Phi-3 on every layer, Qwen2 on its upper half (`use_sliding_window`),
+    Gemma 2 on every other layer (with attention and final-logit soft-capping), Gemma 3 on two layers of three
+    (with its scaled embeddings and a local RoPE)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   pad_token_id=0, eos_token_id=eos, bos_token_id=None)
+    gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=window or 1024)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(head_dim=16, sliding_window=window, **common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
+                                             max_window_layers=3, **common))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(sliding_window=window, **common))
+    elif kind == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=30.0, attn_logit_softcapping=50.0, **gemma,
+                                               **common))
+    elif kind == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(sliding_window_pattern=3, **gemma, **common))
     else:
         raise ValueError(kind)
     model.generation_config.pad_token_id = 0

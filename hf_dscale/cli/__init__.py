@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, card, dllm, kernels, run, train
+from . import bench, card, dllm, export, kernels, run, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, bench, train, card, kernels, dllm):
+    for module in (run, bench, train, card, kernels, dllm, export):
         module.add_parser(sub)
     return parser
 

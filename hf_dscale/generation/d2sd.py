@@ -58,6 +58,7 @@ from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
 from .decode import AUTO, CPU_DRAFT_CONFIDENCE, _commit, _Decoder, _Rows, lay_out, resolve_draft_confidence
 from .lookup import PromptLookup
+from .masks import column_positions
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -318,8 +319,9 @@ class _TreeDecoder(_Decoder):
         ids = torch.tensor(tree.tokens, device=device)[None]
         positions = self.anchor_pos[:, None] + torch.tensor(tree.depths, device=device)
         allowed = torch.cat((self.valid[0][None].expand(len(tree), -1), tree.ancestor_mask(device)), dim=1)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        logits = self.verify(self.cache, input_ids=ids, attention_mask=mask[None, None], position_ids=positions,
+        key_pos = torch.cat((column_positions(self.valid), positions), dim=1)
+        mask = self.attention.masks(allowed[None], positions, key_pos, dtype)  # windows by position, if any
+        logits = self.verify(self.cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=True)[0].float()  # [N, V]
         t2 = time.perf_counter()
 

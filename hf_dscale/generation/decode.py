@@ -38,6 +38,7 @@ from ..models.dscale.assistant import (  # noqa: F401  (the cut's rule lives wit
 from ..models.dscale.modeling_dscale import DraftContextCache
 from ..models.dscale import compat
 from .acceptance import greedy_accept, speculative_accept
+from .masks import TargetAttention, column_positions
 from .target_forward import TargetForward
 from .types import DecodeStats
 
@@ -149,6 +150,9 @@ class _Decoder:
         batch, block_size = batch_size or rows.prompt.shape[0], drafter.config.block_size  # rows per verify
         self.verify = TargetForward.for_target(target, block_size, batch)  # measured before the hooks, as is the cut
         self.cut = DraftCut.for_target(target, draft_confidence, block_size, batch, self.verify)
+        self.attention = TargetAttention.of(target)
+        if self.attention.sliding:  # crops and tree paths need every position; the masks apply the window
+            cache = compat.new_cache(target, full=True)
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
@@ -165,8 +169,12 @@ class _Decoder:
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
         """The prompt through the target; the first token; the drafter's context = the prompt's taps."""
         t0 = time.perf_counter()
-        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-        out = self.target(input_ids=input_ids, attention_mask=valid.long(), position_ids=positions,
+        positions = column_positions(valid)
+        mask = valid.long()
+        if self.attention.sliding:
+            causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
+            mask = self.attention.masks(valid[:, None, :] & causal, positions, positions, self.target.dtype)
+        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                           use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
         logits = _process(out.logits[:, -1:].float(), self.rows, None, self.processors, self.row_ids)[:, 0]
         first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
@@ -194,8 +202,13 @@ class _Decoder:
         t1 = time.perf_counter()
         block = torch.cat((self.anchors[:, None], draft_ids), dim=1)  # [B, γ]
         block_pos = self.anchor_pos[:, None] + torch.arange(gamma, device=block.device)
-        mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1)
-        logits = self.verify(self.cache, input_ids=block, attention_mask=mask.long(), position_ids=block_pos,
+        mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1).long()
+        if self.attention.sliding:
+            causal = torch.ones(gamma, gamma, dtype=torch.bool, device=block.device).tril()
+            allowed = torch.cat((self.valid[:, None, :].expand(b, gamma, -1), causal.expand(b, -1, -1)), dim=2)
+            key_pos = torch.cat((column_positions(self.valid), block_pos), dim=1)
+            mask = self.attention.masks(allowed, block_pos, key_pos, self.target.dtype)
+        logits = self.verify(self.cache, input_ids=block, attention_mask=mask, position_ids=block_pos,
                              use_cache=True)
         t2 = time.perf_counter()
         p_logits = _process(logits.float(), self.rows, block, self.processors)

@@ -47,11 +47,15 @@ def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.T
 
     Example: confidences [0.95, 0.3, 0.6] at masked positions -> commits the first only; [0.3, 0.6]
     -> commits the second (the most confident).
+
+    The mask token itself is never a candidate (its logit is dropped before the softmax): committing it would
+    leave the position masked and the decoding loop would never end.
     """
     masked = row[positions] == mask_id
     if not bool(masked.any()):
         return 0
-    conf, tokens = torch.softmax(logits.double(), dim=-1).max(-1)
+    logits = logits.double().index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
+    conf, tokens = torch.softmax(logits, dim=-1).max(-1)
     conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
     chosen = masked & (conf >= threshold)
     chosen[conf.argmax()] = True

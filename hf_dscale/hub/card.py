@@ -62,12 +62,14 @@ drafter = AutoModel.from_pretrained("{name}", trust_remote_code=True)
 out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
 ```
 
-With `hf_dscale` installed, batches run through `custom_generate` (also as this repo's
-`custom_generate/generate.py`):
+With `hf_dscale` installed, batches run through `custom_generate`, the function or the hub-style repo
+`hf-dscale-generate` (its folder ships in hf_dscale's `model_cards/`):
 
 ```python
 from hf_dscale.generation import custom_generate
 out = target.generate(**batch, custom_generate=custom_generate, drafter=drafter, max_new_tokens=256)
+out = target.generate(**batch, custom_generate="hf-dscale-generate", trust_remote_code=True, drafter=drafter,
+                      max_new_tokens=256)
 ```"""
 
 

@@ -17,8 +17,6 @@ here as the readable specification.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,19 +39,64 @@ class DScaleRMSNorm(nn.Module):
 
 
 class DScaleRotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    """RoPE of the drafter: plain (`rope_theta`), or a scaled type from `config.rope_parameters` computed by
+    transformers' own `ROPE_INIT_FUNCTIONS`, whose `attention_scaling` multiplies cos/sin as in the targets.
+
+    "dynamic" (NTK) recomputes the frequencies for each call whose positions pass `max_position_embeddings`
+    (for the largest position of the call, block and context alike), as a fresh transformers rotary would;
+    context keys cached by earlier calls keep the frequencies they were rotated with, as in transformers' caches.
+    """
+
+    def __init__(self, config: DScaleConfig):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        self.rope = dict(config.rope_parameters) if config.rope_parameters else None
+        self.max_positions = config.max_position_embeddings
+        self._shape = (config.hidden_size, config.num_attention_heads)
+        inv_freq, self.attention_scaling = self._compute()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope is None else self.rope["rope_type"]
+
+    def _compute(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        if self.rope is None:
+            return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)), 1.0
+        from transformers import PretrainedConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        # A throwaway config: the init functions standardise (and so edit) the rope dict of what they are given.
+        rope_config = PretrainedConfig()
+        rope_config.hidden_size, rope_config.num_attention_heads = self._shape
+        rope_config.head_dim, rope_config.max_position_embeddings = self.head_dim, self.max_positions
+        rope_config.rope_parameters = dict(self.rope, rope_theta=self.theta)
+        kwargs = {} if seq_len is None else {"seq_len": seq_len}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](rope_config, None, **kwargs)  # (config, device) in 5.x
+        return inv_freq.float(), float(scaling)
 
     def frequencies(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        """inv_freq [head_dim / 2] at the configured length (rebuilt by `_init_weights` after meta loading)."""
+        return self._compute()[0]
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def seq_len(self, *position_ids: torch.Tensor) -> int | None:
+        """For "dynamic" RoPE, the length that the positions of one forward need (None otherwise, no sync)."""
+        if self.rope_type != "dynamic":
+            return None
+        return max((int(p.max()) + 1 for p in position_ids if p.numel()), default=None)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, L] -> cos, sin [B, 1, L, head_dim]."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        inv_freq = self.inv_freq
+        if seq_len is not None and seq_len > self.max_positions:
+            inv_freq = self._compute(seq_len)[0]
+        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -302,7 +345,7 @@ class DScaleDrafter(DScalePreTrainedModel):
         self.layers = nn.ModuleList(DScaleDecoderLayer(config, i) for i in range(d))
         self.norm = DScaleRMSNorm(h, config.rms_norm_eps)
         self.hidden_norm = DScaleRMSNorm(h, config.rms_norm_eps)
-        self.rotary = DScaleRotary(config.head_dim, config.rope_theta)
+        self.rotary = DScaleRotary(config)
         if config.fusion == "layerwise":
             self.fc = None
             self.layer_fusion_weights = nn.Parameter(torch.zeros(d, t))
@@ -378,7 +421,8 @@ class DScaleDrafter(DScalePreTrainedModel):
         """Propose only `tokens` (target ids, e.g. the most frequent in the training data) plus, in each
         generation, the tokens of its own sequences; None proposes from the whole vocabulary again.
 
-        Saved with the weights (buffer `draft_vocab`, `config.draft_vocab_size`). See `DraftVocab`.
+        Saved with the weights (buffer `draft_vocab`, `config.draft_vocab_size`; in the upstream layouts, as
+        `draft_vocab.safetensors` beside them, see `convert.py`). See `DraftVocab`.
         """
         if tokens is None:
             self.draft_vocab, self.config.draft_vocab_size = None, None
@@ -432,8 +476,9 @@ class DScaleDrafter(DScalePreTrainedModel):
             return self._native_forward(cache=cache, **native)
         fused = self.fuse(taps)
         hidden = block_embeds.to(self.norm.weight.dtype)
-        block_rope = self.rotary(block_position_ids, hidden.dtype)
-        context_rope = self.rotary(context_position_ids, hidden.dtype)
+        seq_len = self.rotary.seq_len(block_position_ids, context_position_ids)
+        block_rope = self.rotary(block_position_ids, hidden.dtype, seq_len)
+        context_rope = self.rotary(context_position_ids, hidden.dtype, seq_len)
         for i, layer in enumerate(self.layers):
             context = fused if self.fc is not None else fused[:, :, i]
             hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask)
@@ -525,23 +570,48 @@ class DScaleDrafter(DScalePreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Loads native checkpoints, and DFlash (z-lab) / DFlare (AngelSlim) ones, detected by weight names."""
-        from .convert import load_reference_checkpoint, reference_layout
+        """Load a drafter from a folder or a Hub id (`revision`, `cache_dir`, `local_files_only`, `token`,
+        `subfolder` as in transformers; `HF_HUB_OFFLINE` is honoured), in any layout of `convert.py`: native,
+        z-lab DFlash, AngelSlim DFlare or transformers' DFlash assistant, detected from the weight names.
 
-        path = str(pretrained_model_name_or_path)
-        if os.path.isdir(path) and reference_layout(path) is not None:
-            return load_reference_checkpoint(cls, path, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        Loading is strict: missing or unexpected weights raise a ValueError, and so does a folder holding
+        something else (an EAGLE or Medusa head, a causal LM, a config without weights, weights without a config).
+        """
+        from .convert import detect_layout, load_reference_checkpoint, resolve_folder, split_hub_kwargs
+
+        hub, rest = split_hub_kwargs(kwargs)
+        path = resolve_folder(pretrained_model_name_or_path, **hub)
+        layout = detect_layout(path)
+        if layout != "native":
+            return load_reference_checkpoint(cls, path, layout=layout, **rest)
+        want_info = rest.pop("output_loading_info", False)
+        model, info = super().from_pretrained(path, *args, output_loading_info=True, **rest)
+        problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(problems.values()):
+            raise ValueError(
+                f"{path} does not match the drafter its config.json describes: "
+                + ", ".join(f"{k.replace('_', ' ')} {v[:6]}" for k, v in problems.items() if v)
+                + ". Save the drafter again with save_pretrained, or fix config.json (e.g. draft_vocab_size, fusion)."
+            )
+        return (model, info) if want_info else model
 
 
 def tap_layers(target: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM whose outputs can be tapped (Llama/Qwen-style `model.layers`)."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    """The decoder layers of a causal LM whose outputs can be tapped (Llama/Qwen/Mistral/Gemma/Phi-3-style
+    `model.layers`, found through `target.get_decoder()`). Raises ValueError naming the class and what is missing."""
+    name = type(target).__name__
+    if not callable(getattr(target, "get_decoder", None)):
+        raise ValueError(
+            f"Unsupported target class {name}: it has no get_decoder(), through which hf_dscale finds the decoder "
+            "layers (`model.layers`) whose hidden states it taps; use a decoder-only *ForCausalLM class."
+        )
+    decoder = target.get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"Unsupported target class {type(target).__name__}: hf_dscale taps hidden states from "
-            "`model.layers` of decoder-only causal LMs (Llama, Qwen2/3, Mistral, ...)."
+            f"Unsupported target class {name}: its decoder ({type(decoder).__name__}) has no `layers` ModuleList "
+            "(`model.layers`), whose outputs hf_dscale taps; supported are decoder-only causal LMs that keep their "
+            "blocks there (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, ...)."
         )
     return layers
 

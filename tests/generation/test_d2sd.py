@@ -391,7 +391,7 @@ def test_sampling_check_through_generate_catches_broken_rule(setup, monkeypatch)
 def test_hub_style_custom_generate_folder_takes_the_vp_drafter():
     import os
 
-    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "SmolLM2-135M-Instruct-DScale")
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "hf-dscale-generate")
     target = tiny_target("qwen3")
     ids, mask = _prompt(2, 7, seed=21)
     plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False)

@@ -90,6 +90,33 @@ def test_blockbatch_counts_one_batched_forward_as_one_nfe():
     assert result.sequence.tolist() == answer[:9]
 
 
+class _PrefersMask(_Scripted):
+    """Its top token at every answer position is the mask id itself; it fails after `limit` forwards, so a
+    decoder that commits the mask (and so never finishes) fails the test instead of hanging it."""
+
+    limit = 50
+
+    def full(self, x, cache=None):
+        if self.calls >= self.limit:
+            raise RuntimeError(f"no end after {self.limit} forwards: the decoder is looping")
+        logits = super().full(x, cache).clone()
+        logits[..., MASK] = logits.max(-1).values + 1.0  # the mask beats the scripted token everywhere
+        return logits
+
+
+@pytest.mark.parametrize("decode", ["fast-dllm", "blockbatch"])
+def test_a_model_that_prefers_the_mask_token_still_finishes(decode):
+    prompt = torch.tensor([[3, 4]])
+    answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]
+    model = _PrefersMask(answer, sure={2, 3, 4, 5, 6, 7, 8, 9})
+    if decode == "fast-dllm":
+        result = fast_dllm_generate(model, prompt, gen_length=8, block_size=4)
+    else:
+        result = blockbatch_generate(model, prompt, gen_length=8, block_sizes=(2, 4, 8), refresh_tokens=None)
+    assert MASK not in result.sequence.tolist()
+    assert result.sequence.tolist() == answer[:9]  # the runner-up, the scripted token, is committed
+
+
 # ---------------------------------------------------------------------------------------- dual cache
 @pytest.mark.parametrize("shift", [0, 1])
 def test_block_forward_on_a_fresh_cache_equals_full_forward(shift):

@@ -145,7 +145,7 @@ def test_streamer_receives_exactly_the_output():
 def test_hub_style_custom_generate_folder():
     import os
 
-    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "SmolLM2-135M-Instruct-DScale")
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "model_cards", "hf-dscale-generate")
     target = tiny_target("llama")
     ids, mask = _prompt(2, 7, seed=21)
     plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=18, do_sample=False)

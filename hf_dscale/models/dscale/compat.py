@@ -4,7 +4,8 @@
 * `DynamicCache.crop(n)` with n > 0 truncated to n in <= 5.8, warns in 5.16 and raises in 5.23+;
   `crop(-n)` (drop the last n) works everywhere.
 * The built-in DFlash candidate generator (5.16+) passes the drafter `hidden_states[i + 1]` for
-  target layer i in some releases and `hidden_states[i]` (one layer early) in others.
+  target layer i since 5.23 and `hidden_states[i]` (one layer early) before: a version table
+  (`NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE`), not a reading of transformers' source.
 * `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); D²SD keeps only the
   accepted path of a verified token tree by rewriting them in place (`keep_tree_path`).
 * `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
@@ -19,6 +20,8 @@ import inspect
 from functools import lru_cache
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache
 
 
@@ -42,7 +45,11 @@ def find_cache(model_kwargs: dict):
     return found
 
 
-def new_cache(model):
+def new_cache(model, full: bool = False):
+    """A `DynamicCache` for `model`; `full`: every layer keeps every position (no sliding-window layers, which
+    cannot be cropped once past their window; the decoders then apply the window in their masks)."""
+    if full:
+        return DynamicCache()
     try:
         return DynamicCache(config=model.config)
     except TypeError:
@@ -89,13 +96,21 @@ def sdpa_mask():
     return builder
 
 
-@lru_cache(maxsize=None)
+# The releases whose `DFlashTokenCandidateGenerator` hands the drafter `hidden_states[i + 1]` (the output of layer i)
+# for target layer i: 5.23 on. 5.16-5.22 pass `hidden_states[i]`, one layer early.
+NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE = (5, 23)
+
+
+def transformers_release() -> tuple[int, int]:
+    """(major, minor) of the installed transformers."""
+    return Version(transformers.__version__).release[:2]
+
+
 def native_dflash_reads_layer_outputs() -> bool:
-    """Whether transformers' `DFlashTokenCandidateGenerator` hands the drafter `hidden_states[i + 1]`
-    (the output of layer i, our convention) for `target_layer_ids` i."""
+    """Whether transformers has a built-in DFlash generator (`speculation_type="dflash"`) that hands the drafter
+    `hidden_states[i + 1]` (the output of layer i, our convention) for `target_layer_ids` i."""
     try:
-        from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+        from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator  # noqa: F401
     except ImportError:
         return False
-    source = inspect.getsource(DFlashTokenCandidateGenerator.get_candidates)
-    return "hidden_states[i + 1]" in source
+    return transformers_release() >= NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE

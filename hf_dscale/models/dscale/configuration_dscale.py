@@ -8,6 +8,37 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 FUSIONS = ("layerwise", "shared")
+# RoPE types the drafter computes with transformers' own `ROPE_INIT_FUNCTIONS` ("default" is computed here).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def normalise_rope(rope_parameters: dict | None, rope_scaling: dict | None = None) -> dict | None:
+    """One RoPE dict (`rope_type`, its parameters, maybe `rope_theta`) from the 5.x `rope_parameters` or the
+    4.x `rope_scaling` (whose type may be under `type`); None for the plain default RoPE."""
+    merged = dict(rope_scaling or {})
+    merged.update(rope_parameters or {})
+    if "type" in merged:
+        merged.setdefault("rope_type", merged.pop("type"))
+    merged.setdefault("rope_type", "default")
+    return None if merged["rope_type"] == "default" else merged
+
+
+def sliding_attention_in(config: dict, bare_window_slides: bool = True) -> str | None:
+    """What in a config (a dict) asks for sliding-window attention, in words; None when nothing does.
+
+    `layer_types` (transformers 5.x) names each layer's attention and wins. Qwen2/3 configs carry a
+    `sliding_window` that applies only with `use_sliding_window: true` (`bare_window_slides=False`);
+    elsewhere a `sliding_window` alone slides.
+    """
+    layer_types = config.get("layer_types")
+    if layer_types:
+        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        return f"layer_types {layer_types} (layers {sliding} are not full_attention)" if sliding else None
+    if config.get("use_sliding_window"):
+        return f"use_sliding_window: true (sliding_window {config.get('sliding_window')})"
+    if bare_window_slides and config.get("sliding_window") and "use_sliding_window" not in config:
+        return f"sliding_window: {config['sliding_window']}"
+    return None
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -41,6 +72,12 @@ class DScaleConfig(PretrainedConfig):
         draft_vocab_size: length of the drafter's `draft_vocab` buffer, the target tokens it proposes
             from (most frequent in its training data first; each generation adds the tokens of its own
             sequences). None = the whole vocabulary. Verification always uses the whole vocabulary.
+        rope_parameters: RoPE scaling as transformers stores it (`rope_type` in `ROPE_TYPES`, its parameters);
+            None = plain RoPE with `rope_theta`. The 4.x name `rope_scaling` is accepted too. The drafter
+            uses the target's RoPE, including cos/sin scaling (YaRN's `attention_factor`).
+
+    The drafter's layers attend to the whole context: a config that asks for sliding-window attention
+    (`layer_types`, `use_sliding_window`) is refused.
     """
 
     model_type = "dscale"
@@ -68,8 +105,13 @@ class DScaleConfig(PretrainedConfig):
         target_model_type: str | None = None,
         prefix_prior: float | None = None,
         draft_vocab_size: int | None = None,
+        rope_parameters: dict | None = None,
         **kwargs,
     ):
+        rope = normalise_rope(rope_parameters, kwargs.pop("rope_scaling", None))
+        if rope is not None:
+            rope_theta = rope.get("rope_theta", rope_theta)
+            rope["rope_theta"] = rope_theta
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
@@ -93,6 +135,7 @@ class DScaleConfig(PretrainedConfig):
         self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+        self.rope_parameters = rope  # after the base class, whose RoPE standardisation differs across 5.x
 
     @property
     def num_taps(self) -> int:
@@ -131,6 +174,19 @@ class DScaleConfig(PretrainedConfig):
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads.")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_parameters has rope_type {rope_type!r}; the drafter supports {ROPE_TYPES}. Use a target "
+                "whose RoPE is one of these, or set rope_parameters to the nearest supported type."
+            )
+        sliding = sliding_attention_in(vars(self))
+        if sliding:
+            raise ValueError(
+                f"The drafter's layers are full attention, but its config asks for sliding-window attention: "
+                f"{sliding}. Remove those keys (or set layer_types to full_attention) to load it with full "
+                "attention; it then differs from sliding attention only on contexts longer than the window."
+            )
 
     @classmethod
     def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,
@@ -141,6 +197,8 @@ class DScaleConfig(PretrainedConfig):
         num_taps = num_taps or (9 if fusion == "layerwise" else 5)
         num_taps = min(num_taps, max(1, n - 3))
         rope = getattr(text, "rope_parameters", None) or {}
+        if set(rope) <= {"full_attention", "sliding_attention"} and rope:  # per layer type (Gemma 3): the full layers'
+            rope = rope.get("full_attention") or {}
         rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
         fields = dict(
             hidden_size=text.hidden_size,
@@ -151,6 +209,7 @@ class DScaleConfig(PretrainedConfig):
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
+            rope_parameters=normalise_rope(dict(rope)),
             max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
             vocab_size=text.vocab_size,
             target_layer_ids=build_target_layer_ids(n, num_taps),

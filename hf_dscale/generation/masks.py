@@ -1,0 +1,79 @@
+"""Verify masks for targets whose layers attend through a sliding window (Mistral, Phi-3, Gemma 2/3, Qwen2 with
+`use_sliding_window`), exact with the decoders' holes and token trees.
+
+transformers builds a sliding-window mask from *cache columns*: a query at column q sees the keys at columns
+k > q - window. The decoders' caches are not contiguous sequences, though: a batch keeps the columns a row
+rejected as masked holes, and a token tree puts siblings side by side. Counted in columns, the window would
+shrink by the holes and reach across siblings. So for such a target the decoders build the masks themselves, from
+*positions* (a row's own token count, as plain `generate()` sees it): a query at position p sees an allowed key at
+position p' when p - p' < window, for each kind of layer, and hand them over as transformers takes prepared
+masks: one 4D mask when every layer has the same window, else a dict keyed by `config.layer_types`. The target's
+cache keeps every position in every layer (a `DynamicCache` without sliding layers, `compat.new_cache(...,
+full=True)`), so that a rejected block can be cropped and a tree's path kept; the window lives in the mask.
+
+Targets with only full-attention layers keep transformers' own masks (a 2D padding mask for a chain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+ALL_LAYERS = "all"  # the key of a target without `layer_types`, whose layers share one window
+
+
+@dataclass(frozen=True)
+class TargetAttention:
+    """How a target's layers attend: a window per layer kind (None = full attention)."""
+
+    windows: dict[str, int | None]  # layer kind -> window; kinds are `config.layer_types` values or ALL_LAYERS
+
+    @classmethod
+    def of(cls, target) -> "TargetAttention":
+        """Read from the target's (text) config: `layer_types` with `sliding_window`, or, without
+        `layer_types`, one `sliding_window` for every layer (Mistral, Phi-3). Other kinds of layer (chunked,
+        linear attention) are refused by name."""
+        config = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") \
+            else target.config
+        window = getattr(config, "sliding_window", None) or None
+        layer_types = getattr(config, "layer_types", None)
+        if not layer_types:
+            return cls({ALL_LAYERS: window})
+        unknown = sorted(set(layer_types) - {FULL, SLIDING})
+        if unknown:
+            raise ValueError(
+                f"Unsupported target class {type(target).__name__}: its layer_types hold {unknown}; hf_dscale verifies "
+                f"drafts on targets whose layers are {FULL!r} or {SLIDING!r} (a token's keys must be kept and "
+                "dropped by position, which a chunked or recurrent layer's state does not allow)."
+            )
+        return cls({kind: (window if kind == SLIDING else None) for kind in sorted(set(layer_types))})
+
+    @property
+    def sliding(self) -> bool:
+        """Whether some layer attends through a window (the decoders then build the masks)."""
+        return any(w is not None for w in self.windows.values())
+
+    def masks(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype):
+        """The target's attention masks for a forward whose queries may see `allowed` keys.
+
+        allowed [B, Q, K] bool (padding, holes, causality or tree ancestry); query_pos [B, Q] and key_pos [B, K]
+        the positions of queries and keys. Returns an additive 4D mask [B, 1, Q, K] in `dtype` when every
+        layer kind has the same window, else {layer kind: mask}.
+        """
+        distance = query_pos[:, :, None] - key_pos[:, None, :]  # [B, Q, K]
+        built: dict[int | None, torch.Tensor] = {}
+        for window in set(self.windows.values()):
+            seen = allowed if window is None else allowed & (distance < window)
+            mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+            built[window] = mask[:, None]
+        if len(built) == 1:
+            return next(iter(built.values()))
+        return {kind: built[window] for kind, window in self.windows.items()}
+
+
+def column_positions(valid: torch.Tensor) -> torch.Tensor:
+    """valid [B, C] bool over cache columns -> each column's position in its row (its count of valid columns
+    before it; holes and padding get their neighbour's, and are masked anyway)."""
+    return (valid.long().cumsum(-1) - 1).clamp_min(0)
