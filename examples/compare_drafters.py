@@ -1,6 +1,6 @@
 """Compare drafters of one target side by side: τ of each on the same prompts, interleaved per prompt.
 
-    python examples/compare_drafters.py runs/dscale runs/dflash --prompts ../shared/data/eval_gsm8k.jsonl \
+    python examples/compare_drafters.py runs/dscale runs/dflash --prompts examples/data/eval_gsm8k.jsonl \
         --limit 20 --json runs/compare-gsm8k20.json
 
 For an equal-budget comparison (DScale against DFlash trained on the same answers and steps) only the

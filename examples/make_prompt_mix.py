@@ -1,6 +1,6 @@
 """Write the training prompt mix for a SmolLM2 drafter: GSM8K questions interleaved with code-related ShareGPT turns.
 
-    python examples/make_prompt_mix.py --data ../shared/data --out mix.jsonl
+    python examples/make_prompt_mix.py --data examples/data --out mix.jsonl
 
 Two GSM8K train questions, then one ShareGPT first turn that mentions code (a keyword match, below), repeated
 until the shorter source runs out; the GSM8K remainder follows. Deterministic: the same files give the same

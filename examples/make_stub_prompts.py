@@ -1,6 +1,6 @@
 """Write a prompt mix with code-shaped answers: GSM8K and MATH train questions posed as Python function stubs.
 
-    python examples/make_stub_prompts.py --data ../shared/data --out stubs.jsonl
+    python examples/make_stub_prompts.py --data examples/data --out stubs.jsonl
 
 The ShareGPT turns that mention code run out after about 1,900 rows, and a drafter trained on GSM8K answers
 alone drafts code poorly. Posing a word problem as the docstring of a function stub makes the target answer

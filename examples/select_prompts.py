@@ -1,6 +1,6 @@
 """Keep the prompts of a JSON lines file that match a pattern, for a targeted self-distillation run.
 
-    python examples/select_prompts.py ../shared/data/train_sharegpt_prompts.jsonl --pattern "python|def " \
+    python examples/select_prompts.py examples/data/train_sharegpt_prompts.jsonl --pattern "python|def " \
         --out sharegpt_python.jsonl
 
 The pattern is a regular expression searched in each prompt, case-insensitively; rows keep their order, `id` and

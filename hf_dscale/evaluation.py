@@ -119,6 +119,144 @@ def bench_speculative(
     return result
 
 
+# ------------------------------------------------------------------------------------------------- peers
+@dataclass
+class Peer:
+    """One way to decode: `kwargs` for `target.generate` (besides the ids, max_new_tokens and do_sample);
+    `dscale`: it takes `dscale_stats`."""
+
+    name: str
+    kwargs: dict
+    dscale: bool = False
+
+
+def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_confidence=None,
+              prompt_lookup_num_tokens: int = 10) -> list[Peer]:
+    """Every way to decode with `target` that `hf-dscale bench --peers` compares, plain `generate()` first:
+
+    * `generate`: plain eager decoding with a `DynamicCache`;
+    * `generate-static`: plain decoding with a static cache (`cache_implementation="static"`), which transformers
+      also compiles where it compiles by default (a GPU);
+    * `transformers-prompt-lookup`: transformers' prompt lookup (`prompt_lookup_num_tokens`);
+    * `transformers-dflash`: transformers' own DFlash assisted decoding with the drafter
+      (`speculation_type="dflash"`), where the installed transformers taps the right layers;
+    * `assistant_model`: transformers' assisted decoding with the drafter;
+    * `dscale`, `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`.
+    """
+    from .models.dscale.compat import native_dflash_reads_layer_outputs
+
+    ours = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=draft_confidence)
+    peers = [
+        Peer("generate", {}),
+        Peer("generate-static", {"cache_implementation": "static"}),
+        Peer("transformers-prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}),
+    ]
+    if native_dflash_reads_layer_outputs():
+        peers.append(Peer("transformers-dflash", {"assistant_model": drafter, "speculation_type": "dflash"}))
+    peers += [
+        Peer("assistant_model", {"assistant_model": drafter}),
+        Peer("dscale", ours, dscale=True),
+        Peer("dscale-tree", dict(ours, draft_tree=True, num_branches=num_branches), dscale=True),
+        Peer("dscale-tree-lookup", dict(ours, draft_tree=True, num_branches=num_branches, prompt_lookup=True),
+             dscale=True),
+    ]
+    if vp_drafter is not None:
+        peers.append(Peer("d2sd", dict(ours, vp_drafter=vp_drafter, num_branches=num_branches), dscale=True))
+    return peers
+
+
+class _PeakMemory:
+    """Peak memory of the code inside `with`: CUDA's allocator peak on a GPU, the process's peak resident set
+    (`VmHWM`, reset through /proc/self/clear_refs) on a Linux CPU; None where neither can be read."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.bytes = None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.bytes = torch.cuda.max_memory_allocated()
+        else:
+            try:
+                with open("/proc/self/status") as f:
+                    line = next(line for line in f if line.startswith("VmHWM:"))
+                self.bytes = int(line.split()[1]) * 1024
+            except (OSError, StopIteration):
+                self.bytes = None
+        return False
+
+
+@torch.no_grad()
+def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int = 256,
+                on_prompt: Callable[[int], None] | None = None) -> dict:
+    """Every peer on every prompt, greedy, interleaved per prompt (the order rotates from prompt to prompt, so
+    that no peer always runs first); outputs compared with the first peer's (plain `generate()`).
+
+    Each peer runs once untimed on the first prompt before the timed runs (`warmup_s`: compilation, one-time
+    calibrations). Returns {"peers": {name: tokens_per_s, seconds, new_tokens, identical, mismatches, tau,
+    warmup_s, peak_memory_bytes}, "speedup": {a: {b: tokens/s of a over tokens/s of b}}, "per_prompt": [...]}.
+    """
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    totals = {p.name: {"seconds": 0.0, "new_tokens": 0, "identical": True, "mismatches": [], "stats": DecodeStats(),
+                       "peak": None, "warmup_s": 0.0} for p in peers}
+    device = target.device
+    for peer in peers:
+        _, totals[peer.name]["warmup_s"] = _timed(lambda: target.generate(prompts[0][1], **kw, **peer.kwargs))
+    per_prompt = []
+    for i, (name, ids) in enumerate(prompts):
+        outputs, row = {}, {"id": name}
+        order = peers[i % len(peers):] + peers[: i % len(peers)]
+        for peer in order:
+            total, stats = totals[peer.name], DecodeStats()
+            extra = {"dscale_stats": stats} if peer.dscale else {}
+            with _PeakMemory(device) as peak:
+                out, seconds = _timed(lambda: target.generate(ids, **kw, **peer.kwargs, **extra))
+            outputs[peer.name] = out
+            total["seconds"] += seconds
+            total["new_tokens"] += out.shape[1] - ids.shape[1]
+            total["stats"].merge(stats)
+            if peak.bytes is not None:
+                total["peak"] = max(total["peak"] or 0, peak.bytes)
+            row[peer.name] = {"seconds": round(seconds, 6), "new_tokens": out.shape[1] - ids.shape[1]}
+        reference = outputs[peers[0].name]
+        for peer in peers:
+            same = torch.equal(outputs[peer.name], reference)
+            row[peer.name]["identical"] = same
+            if not same:
+                totals[peer.name]["identical"] = False
+                totals[peer.name]["mismatches"].append(name)
+        per_prompt.append(row)
+        if on_prompt is not None:
+            on_prompt(i)
+    report = {}
+    for peer in peers:
+        total = totals[peer.name]
+        report[peer.name] = {
+            "tokens_per_s": round(total["new_tokens"] / max(total["seconds"], 1e-9), 3),
+            "seconds": round(total["seconds"], 6),
+            "new_tokens": total["new_tokens"],
+            "identical": total["identical"],
+            "mismatches": total["mismatches"],
+            "tau": round(total["stats"].tau, 4) if peer.dscale else None,
+            "warmup_s": round(total["warmup_s"], 3),
+            "peak_memory_bytes": total["peak"],
+        }
+    speedup = {a: {b: round(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9), 4) for b in report}
+               for a in report}
+    return {"peers": report, "speedup": speedup, "per_prompt": per_prompt}
+
+
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
                block_sizes=None, threshold: float = 0.9,

@@ -23,12 +23,19 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-lookup", action="store_true",
                    help="dscale-tree, d2sd: add a prompt lookup's proposal (the tokens that followed the latest earlier "
                         "occurrence of the last few tokens) to each tree")
+    p.add_argument("--peers", action="store_true",
+                   help="compare every way to decode, interleaved per prompt in one process: plain generate() "
+                        "(eager, and with a static cache), transformers' prompt lookup, transformers' DFlash "
+                        "(speculation_type='dflash', where it taps the right layers), assistant_model=, and "
+                        "hf_dscale's dscale, dscale-tree, dscale-tree-lookup and, with --vp-drafter, d2sd "
+                        "(replaces --method and --prompt-lookup)")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="PNG histogram of tokens committed per target forward")
+    p.add_argument("--plot", default=None, help="PNG histogram of tokens committed per target forward (with "
+                                                 "--peers: tokens/s of every peer)")
     p.set_defaults(func=main)
 
 
@@ -68,6 +75,8 @@ def main(args) -> int:
     from ..models.dscale.assistant import verify_costs_for
     from ..training.data import read_prompts, render_prompt
 
+    if args.peers:
+        return _peers(args)
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and "
                          "dscale-tree take none.")
@@ -111,3 +120,44 @@ def main(args) -> int:
     if args.plot:
         _plot(report["acceptance_histogram"], args.plot, f"{args.method}: tau = {report['tau']:.2f}")
     return 0 if report["identical"] else 1
+
+
+def _peers(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..evaluation import bench_peers, peers_for
+    from ..generation.decode import resolve_draft_confidence
+    from ..training.data import read_prompts, render_prompt
+
+    if args.method != "dscale" or args.prompt_lookup:
+        raise ValueError("--peers runs every method (d2sd too, with --vp-drafter): leave out --method and "
+                         "--prompt-lookup.")
+    if args.plot:
+        _pyplot()
+    target, tokenizer, drafter = load_models(args)
+    vp_drafter = load_drafter(args.vp_drafter, target) if args.vp_drafter else None
+    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
+    peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence)
+    rows = read_prompts(args.prompts, args.limit)
+    prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
+               for row in rows]
+    bar = tqdm(total=len(prompts), desc=f"bench {len(peers)} peers", unit="prompt")
+    result = bench_peers(target, peers, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
+    bar.close()
+    report = {"command": args.command_line, "target": args.target, "drafter": args.drafter,
+              "vp_drafter": args.vp_drafter, "prompts": args.prompts, "n_prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "draft_confidence": confidence,
+              "num_branches": args.num_branches, **result, "device": str(target.device), "dtype": str(target.dtype),
+              "machine": describe_machine(target.device)}
+    emit_report(report, args.json)
+    if args.plot:
+        plt = _pyplot()
+        names = list(result["peers"])
+        plt.figure(figsize=(7, 3.5))
+        plt.barh(names[::-1], [result["peers"][n]["tokens_per_s"] for n in names[::-1]])
+        plt.xlabel("tokens/s (greedy, batch 1)")
+        plt.title(f"{len(prompts)} prompts of {args.prompts}")
+        plt.tight_layout()
+        plt.savefig(args.plot, dpi=120)
+    return 0 if all(peer["identical"] for peer in result["peers"].values()) else 1

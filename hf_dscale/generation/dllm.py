@@ -7,7 +7,8 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
 * **Fast-dLLM**: blocks of 32 left to right; per block one full forward (refreshes the dual cache),
   then block-only forwards over the cached prefix and stale suffix until the block is filled. Each
   step commits every masked position of the window whose confidence is >= 0.9, and at least the most
-  confident one (`threshold_commit`).
+  confident one (`threshold_commit`); for a Dream-style model the full forward commits only the block's
+  first token, as Fast-dLLM's Dream decoder does (`commit_first`).
 * **BlockBatch**: one branch per block size (rows of one batch, one cache row each), all advanced by
   one batched block forward per step. Between steps: a confidence-gated merge (a branch adopts a token
   another compatible branch already holds when its own stored probability for it is > 0.5), a leader
@@ -75,6 +76,12 @@ def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | N
     return row.numel() if first_mask == region.numel() else None
 
 
+def _block_query_tokens(model: DiffusionModel, x: torch.Tensor, targets: torch.Tensor, cache) -> int:
+    """The tokens a `model.block` call runs through the model: its targets with the dual cache, every position of
+    every row without it (hub classes without an in-place block cache run a full forward)."""
+    return targets.numel() if cache is not None and model.dual_cache else x.numel()
+
+
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:
     if prompt.dim() != 2 or prompt.shape[0] != 1:
         raise ValueError("dLLM decoding takes one prompt at a time: input_ids of shape [1, P].")
@@ -86,8 +93,15 @@ def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torc
 
 @torch.no_grad()
 def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256, block_size: int = 32,
-                       threshold: float = 0.9) -> DLLMResult:
-    """Fast-dLLM with the dual cache (see the module docstring); prompt [1, P]."""
+                       threshold: float = 0.9, commit_first: bool | None = None) -> DLLMResult:
+    """Fast-dLLM with the dual cache (see the module docstring); prompt [1, P].
+
+    `commit_first`: the full forward that opens a block commits the block's first position (its most likely
+    token) and nothing else, and the threshold rule starts with the first block forward, as Fast-dLLM's decoder
+    for Dream does; otherwise the threshold rule applies to the full forward's logits too, as its decoder for
+    LLaDA does. None: by the model's style (Dream-style, shifted logits: True).
+    """
+    commit_first = bool(model.shift) if commit_first is None else commit_first
     if gen_length % block_size:
         raise ValueError(f"gen_length {gen_length} must be a multiple of block_size {block_size}.")
     x = _start(model, prompt, gen_length)
@@ -100,12 +114,15 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         logits = model.full(x, cache)
         result.nfe_full += 1
         result.query_tokens += x.shape[1]
-        threshold_commit(x[0], logits[0, s : s + block_size], window, mask_id, threshold)
+        if commit_first:  # the most likely token at the block's first position, whatever its confidence
+            threshold_commit(x[0], logits[0, s : s + 1], window[:1], mask_id, threshold=2.0)
+        else:
+            threshold_commit(x[0], logits[0, s : s + block_size], window, mask_id, threshold)
         end = answer_end(x[0], p, mask_id, eos)
         while end is None and bool((x[0, s : s + block_size] == mask_id).any()):
             logits = model.block(x, window[None], torch.ones_like(window[None], dtype=torch.bool), cache)
             result.nfe_block += 1
-            result.query_tokens += block_size
+            result.query_tokens += _block_query_tokens(model, x, window[None], cache)
             threshold_commit(x[0], logits[0], window, mask_id, threshold)
             end = answer_end(x[0], p, mask_id, eos)
         if end is not None:
@@ -264,7 +281,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 write[i, : w.numel()] = True
             logits = model.block(state.x, targets, write, state.cache)
             result.nfe_block += 1
-            result.query_tokens += n * q
+            result.query_tokens += _block_query_tokens(model, state.x, targets, state.cache)
             for i in live:
                 w = state.window(i)
                 state.remember(i, logits[i, : w.numel()], w, prob_floor)

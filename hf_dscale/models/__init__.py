@@ -1,6 +1,6 @@
 """Drafter models (what is loaded). Registered with the transformers Auto classes on import."""
 
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .dscale import DScaleConfig, DScaleDrafter, build_target_layer_ids
 
@@ -13,11 +13,16 @@ DScaleDrafter.register_for_auto_class("AutoModel")
 
 __all__ = ["DScaleConfig", "DScaleDrafter", "build_target_layer_ids"]
 
-from .dllm import DiffusionLM, DiffusionLMConfig  # noqa: E402
+from .dllm import DiffusionLM, DiffusionLMConfig, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM  # noqa: E402
 
 AutoConfig.register(DiffusionLMConfig.model_type, DiffusionLMConfig, exist_ok=True)
 AutoModel.register(DiffusionLMConfig, DiffusionLM, exist_ok=True)
 DiffusionLMConfig.register_for_auto_class()
 DiffusionLM.register_for_auto_class("AutoModel")
+# The published LLaDA and Dream checkpoints (model types "llada", "Dream") load with these classes, no remote code.
+for _config, _model in ((LLaDAConfig, LLaDAModelLM), (DreamConfig, DreamModel)):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
 
-__all__ += ["DiffusionLM", "DiffusionLMConfig"]
+__all__ += ["DiffusionLM", "DiffusionLMConfig", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM"]

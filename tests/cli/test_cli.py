@@ -84,6 +84,42 @@ def test_bench_draft_confidence_takes_auto_and_rejects_other_words(folders, tmp_
     assert error.value.code == 2 and "expected 'auto' or a number in [0, 1), got 'fast'" in capsys.readouterr().err
 
 
+def test_bench_peers_side_by_side(folders, tmp_path, capsys):
+    """Every peer on the same prompts in one process: greedy outputs identical to plain generate(), a speedup
+    matrix that is each pair's tokens/s ratio, per-prompt rows in every peer, peak memory where readable."""
+    from hf_dscale.models.dscale.compat import native_dflash_reads_layer_outputs
+
+    target = tiny_target("qwen3")
+    tiny_drafter(target, seed=6).save_pretrained(tmp_path / "vp")
+    out, plot = tmp_path / "peers.json", tmp_path / "peers.png"
+    code = main(["bench", "--peers", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--vp-drafter", str(tmp_path / "vp"), "--num-branches", "2", "--prompts", PROMPTS, "--limit", "2",
+                 "--max-new-tokens", "10", "--json", str(out), "--plot", str(plot)])
+    report = json.loads(out.read_text())
+    names = ["generate", "generate-static", "transformers-prompt-lookup"]
+    names += ["transformers-dflash"] if native_dflash_reads_layer_outputs() else []
+    names += ["assistant_model", "dscale", "dscale-tree", "dscale-tree-lookup", "d2sd"]
+    assert list(report["peers"]) == names
+    assert code == (0 if all(p["identical"] for p in report["peers"].values()) else 1)
+    for name in names:
+        if name != "generate-static":  # a static cache's masks may round differently; reported, not assumed
+            assert report["peers"][name]["identical"], name
+        peer = report["peers"][name]
+        assert peer["new_tokens"] == sum(row[name]["new_tokens"] for row in report["per_prompt"])
+        assert peer["tokens_per_s"] == pytest.approx(peer["new_tokens"] / peer["seconds"], rel=1e-3)
+        assert (peer["tau"] is not None) == name.startswith(("dscale", "d2sd"))
+        assert peer["peak_memory_bytes"] is None or peer["peak_memory_bytes"] > 0
+    for a in names:
+        for b in names:
+            ratio = report["peers"][a]["tokens_per_s"] / report["peers"][b]["tokens_per_s"]
+            assert report["speedup"][a][b] == pytest.approx(ratio, rel=1e-3)
+    assert [row["id"] for row in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
+    assert report["machine"]["torch"] == torch.__version__ and plot.stat().st_size > 0
+    assert main(["bench", "--peers", "--method", "dscale-tree", "--target", str(folders / "target"), "--drafter",
+                 str(folders / "drafter"), "--prompts", PROMPTS]) == 2
+    assert "--peers runs every method" in capsys.readouterr().err
+
+
 def test_bench_d2sd(folders, tmp_path):
     target = tiny_target("qwen3")
     tiny_drafter(target, seed=6).save_pretrained(tmp_path / "vp")

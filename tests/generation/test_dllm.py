@@ -81,6 +81,44 @@ def test_fast_dllm_nfe_accounting():
     assert (result.nfe_full, result.nfe_block, result.nfe) == (2, 2, 4) and model.calls == 4
 
 
+def test_query_tokens_count_what_runs_through_the_model():
+    """Without a dual cache (hub classes) a block step is a full forward of every row; with it, only the block."""
+    prompt = torch.tensor([[3, 4]])
+    answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]
+    scripted = fast_dllm_generate(_Scripted(answer, sure={2, 3, 4, 5}), prompt, gen_length=8, block_size=4)
+    assert scripted.nfe == 4 and scripted.query_tokens == 4 * 10  # four forwards of all 10 positions
+    batched = blockbatch_generate(_Scripted(answer, sure=set()), prompt, gen_length=8, block_sizes=(2, 4, 8),
+                                  refresh_tokens=None)
+    assert batched.query_tokens == 10 + batched.nfe_block * 3 * 10  # the init, then 3 rows x 10 per step
+    dlm = tiny_dlm()
+    cached = fast_dllm_generate(DiffusionModel(dlm), prompt, gen_length=8, block_size=4)
+    assert cached.query_tokens == cached.nfe_full * 10 + cached.nfe_block * 4
+
+
+class _DreamScripted(_Scripted):
+    shift = 1
+
+
+@pytest.mark.parametrize("style", [_Scripted, _DreamScripted])
+def test_fast_dllm_block_opening_by_style(style):
+    """LLaDA-style: the full forward that opens a block commits by the threshold rule. Dream-style (Fast-dLLM's
+    Dream decoder): it commits the block's first token, however unsure, and the block forwards do the rest."""
+    prompt = torch.tensor([[3, 4]])
+    answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]
+    model = style(answer, sure={3, 4, 5, 6, 7, 8, 9})  # unsure only of the first answer token
+    result = fast_dllm_generate(model, prompt, gen_length=8, block_size=4)
+    assert result.sequence.tolist() == answer[:9]
+    if style is _DreamScripted:
+        # block 0: full (commits 5, unsure) + block (6, 7, 8); block 1: full (9) + block (10, EOS, EOS)
+        assert (result.nfe_full, result.nfe_block) == (2, 2)
+    else:
+        # block 0: full (6, 7, 8) + block (5); block 1: full (9, 10, EOS, EOS)
+        assert (result.nfe_full, result.nfe_block) == (2, 1)
+    explicit = fast_dllm_generate(style(answer, sure={3, 4, 5, 6, 7, 8, 9}), prompt, gen_length=8, block_size=4,
+                                  commit_first=style is _Scripted)
+    assert explicit.sequence.tolist() == answer[:9] and explicit.nfe_block == (2 if style is _Scripted else 1)
+
+
 def test_blockbatch_counts_one_batched_forward_as_one_nfe():
     prompt = torch.tensor([[3, 4]])
     answer = [3, 4] + [5, 6, 7, 8, 9, 10, EOS, EOS]

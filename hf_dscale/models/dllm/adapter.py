@@ -10,23 +10,37 @@ from __future__ import annotations
 
 import torch
 
+from .families import DreamModel, LLaDAModelLM
 from .modeling_dllm import DiffusionLM, DualCache
 
 _HUB_STYLES = {"llada": 0, "dream": 1}  # model_type (lower-case) -> logits shift
 
 
 class DiffusionModel:
-    def __init__(self, model, mask_token_id: int | None = None, eos_token_id: int | None = None):
+    """`dual_cache=False` runs every block call as a full forward even where the model has the dual cache (exact
+    logits for every step, at a full forward's cost)."""
+
+    def __init__(self, model, mask_token_id: int | None = None, eos_token_id: int | None = None,
+                 dual_cache: bool = True):
         config = model.config
         kind = str(getattr(config, "model_type", "")).lower()
         if isinstance(model, DiffusionLM):
-            self.shift, self.dual_cache = config.logits_shift, True
-        elif kind in _HUB_STYLES:
+            self.shift, self.dual_cache = config.logits_shift, dual_cache
+        elif isinstance(model, (LLaDAModelLM, DreamModel)):
+            self.shift, self.dual_cache = _HUB_STYLES[kind], dual_cache
+        elif kind in _HUB_STYLES:  # the published remote code: no in-place block cache
             self.shift, self.dual_cache = _HUB_STYLES[kind], False
+        elif kind.startswith("diffusion_gemma"):
+            raise ValueError(
+                f"{type(model).__name__} denoises a canvas of random tokens (it has no mask token) with its own "
+                "entropy-bound sampler, while Fast-dLLM and BlockBatch commit masked positions: decode it with its "
+                "own model.generate()."
+            )
         else:
             raise ValueError(
                 f"Unsupported model class {type(model).__name__} (model_type {kind!r}): the dLLM decoders take "
-                "hf_dscale's DiffusionLM, or LLaDA / Dream models loaded with trust_remote_code=True."
+                "hf_dscale's DiffusionLM, LLaDA and Dream checkpoints (loaded with `import hf_dscale` and "
+                "AutoModel.from_pretrained, no remote code needed)."
             )
         self.model = model
         self.mask_token_id = mask_token_id if mask_token_id is not None else getattr(config, "mask_token_id", None)

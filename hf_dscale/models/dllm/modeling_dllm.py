@@ -98,6 +98,24 @@ def _rope(x, positions, theta):
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
+def dual_cache_kv(k, v, positions, cache: DualCache | None, layer: int, write: torch.Tensor | None):
+    """The keys and values [B, heads, *, d] a layer attends to. Without a cache, k and v; a full forward (the layer's
+    cache still empty) stores them; a block forward writes them in place at `positions` [B, Q] where `write` [B, Q]
+    is True (all of them when None) and returns every cached position of the row."""
+    if cache is None:
+        return k, v
+    if cache.keys[layer] is None:
+        cache.keys[layer], cache.values[layer] = k, v
+        return k, v
+    keys, values = cache.keys[layer], cache.values[layer]
+    b, q = positions.shape
+    rows = torch.arange(b, device=k.device)[:, None].expand(b, q)
+    sel = write if write is not None else torch.ones(b, q, dtype=torch.bool, device=k.device)
+    keys[rows[sel], :, positions[sel]] = k.transpose(1, 2)[sel]
+    values[rows[sel], :, positions[sel]] = v.transpose(1, 2)[sel]
+    return keys, values
+
+
 class _Layer(nn.Module):
     def __init__(self, config: DiffusionLMConfig):
         super().__init__()
@@ -115,15 +133,7 @@ class _Layer(nn.Module):
         qkv = self.qkv(_rms(x, self.attn_norm, self.eps)).view(b, q, 3, self.heads, h // self.heads)
         qh, kh, vh = (t.transpose(1, 2) for t in qkv.unbind(2))
         qh, kh = _rope(qh, positions, self.theta), _rope(kh, positions, self.theta)
-        if cache is not None and cache.keys[layer] is not None:  # block mode: replace in place, attend to all
-            keys, values = cache.keys[layer], cache.values[layer]
-            rows = torch.arange(b, device=x.device)[:, None].expand(b, q)
-            sel = write if write is not None else torch.ones(b, q, dtype=torch.bool, device=x.device)
-            keys[rows[sel], :, positions[sel]] = kh.transpose(1, 2)[sel]
-            values[rows[sel], :, positions[sel]] = vh.transpose(1, 2)[sel]
-            kh, vh = keys, values
-        elif cache is not None:  # full mode: fill the cache
-            cache.keys[layer], cache.values[layer] = kh, vh
+        kh, vh = dual_cache_kv(kh, vh, positions, cache, layer, write)
         out = F.scaled_dot_product_attention(qh, kh, vh)  # bidirectional
         x = x + self.o_proj(out.transpose(1, 2).reshape(b, q, h))
         gate, up = self.gate_up(_rms(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
