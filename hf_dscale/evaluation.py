@@ -197,6 +197,11 @@ class _PeakMemory:
         return False
 
 
+def _significant(x: float, digits: int = 5) -> float:
+    """x to `digits` significant digits (a ratio of 0.0156 keeps its precision, as one of 2.32 does)."""
+    return float(f"{x:.{digits}g}")
+
+
 @torch.no_grad()
 def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor]], max_new_tokens: int = 256,
                 on_prompt: Callable[[int], None] | None = None) -> dict:
@@ -243,7 +248,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     for peer in peers:
         total = totals[peer.name]
         report[peer.name] = {
-            "tokens_per_s": round(total["new_tokens"] / max(total["seconds"], 1e-9), 3),
+            "tokens_per_s": _significant(total["new_tokens"] / max(total["seconds"], 1e-9)),
             "seconds": round(total["seconds"], 6),
             "new_tokens": total["new_tokens"],
             "identical": total["identical"],
@@ -252,7 +257,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
             "warmup_s": round(total["warmup_s"], 3),
             "peak_memory_bytes": total["peak"],
         }
-    speedup = {a: {b: round(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9), 4) for b in report}
+    speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}
                for a in report}
     return {"peers": report, "speedup": speedup, "per_prompt": per_prompt}
 
