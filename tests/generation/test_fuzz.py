@@ -1,0 +1,81 @@
+"""A greedy-identity fuzz: 1,000 random decoding cases, each identical to plain `generate()` token for token.
+
+Each case draws a target family (Llama, Qwen3, Gemma 3 with a sliding window of 8), a batch of 1-8 rows with
+uneven left padding, prompt lengths from 1 to 64 (some up to 300, far past the window), 1-24 new tokens (so a
+generation often ends inside a block), an EOS token some rows meet mid-block, a repetition penalty or none, a way
+to decode (the chain with a whole block, a confidence cut or the throughput cut; the drafter's own tree, with or
+without the prompt lookup; D²SD) and a drafter: a random one (rejections everywhere) or an oracle that follows
+plain decoding's output with a random error rate (long accepted runs, rejections at every depth).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from hf_dscale.generation import custom_generate
+
+from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
+
+CASES, CHUNK = 1000, 100
+FAMILIES = ("llama", "qwen3", "gemma3")
+WAYS = ("chain-whole", "chain-cut", "chain-auto", "tree", "tree-lookup", "d2sd")
+
+
+def _case(rng: random.Random) -> dict:
+    batch = rng.choice([1, 1, 2, 3, 4, 8])
+    longest = rng.choice([1, 5, 12, 30, 64]) if rng.random() < 0.9 else rng.randint(100, 300)
+    return dict(family=rng.choice(FAMILIES), batch=batch, longest=longest,
+                lengths=[rng.randint(1, longest) for _ in range(batch - 1)] + [longest],
+                new=rng.randint(1, 24), eos=rng.choice([None, None, rng.randint(3, MASK_ID - 1)]),
+                penalty=rng.choice([None, 1.3]), way=rng.choice(WAYS),
+                error_rate=rng.choice([None, 0.0, 0.1, 0.3, 0.6]), seed=rng.randint(0, 2**31))
+
+
+CASE_LIST = [_case(random.Random(1000 + i)) for i in range(CASES)]
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {family: tiny_target(family) for family in FAMILIES}
+
+
+def _prompt(lengths: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, MASK_ID, (len(lengths), width), generator=g)
+    mask = torch.ones_like(ids)
+    for b, length in enumerate(lengths):
+        ids[b, : width - length], mask[b, : width - length] = 0, 0
+    return ids, mask
+
+
+def _run(target, case) -> None:
+    target.generation_config.eos_token_id = case["eos"]
+    ids, mask = _prompt(case["lengths"], case["seed"])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=case["new"], do_sample=False)
+    if case["penalty"]:
+        kw["logits_processor"] = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(case["penalty"])])
+    plain = target.generate(**kw)
+    torch.manual_seed(case["seed"])
+    if case["error_rate"] is None:
+        drafter = tiny_drafter(target, seed=case["seed"] % 7)
+    else:
+        drafter = tiny_drafter(target, cls=OracleDrafter)
+        drafter.oracle, drafter.error_rate = oracle_from(plain, mask), case["error_rate"]
+    way = case["way"]
+    options = {"chain-whole": dict(draft_confidence=0.0), "chain-cut": dict(draft_confidence=0.5),
+               "chain-auto": dict(draft_confidence="auto"), "tree": dict(draft_tree=True, num_branches=2),
+               "tree-lookup": dict(draft_tree=True, prompt_lookup=True),
+               "d2sd": dict(vp_drafter=tiny_drafter(target, seed=11), num_branches=2)}[way]
+    spec = target.generate(**kw, custom_generate=custom_generate, drafter=drafter, **options)
+    assert torch.equal(plain, spec), case
+
+
+@pytest.mark.parametrize("chunk", range(CASES // CHUNK))
+def test_greedy_identity_fuzz(targets, chunk):
+    for case in CASE_LIST[chunk * CHUNK : (chunk + 1) * CHUNK]:
+        _run(targets[case["family"]], case)
