@@ -64,8 +64,17 @@ def _plot(histogram: dict, path: str, title: str) -> None:
     plt.savefig(path, dpi=120)
 
 
-def main(args) -> int:
+def _prompt_ids(args, tokenizer, device) -> list:
+    """(id, input ids [1, P]) for the first --limit prompts of --prompts, chat template applied."""
     import torch
+
+    from ..training.data import read_prompts, render_prompt
+
+    return [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=device))
+            for row in read_prompts(args.prompts, args.limit)]
+
+
+def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
@@ -73,7 +82,6 @@ def main(args) -> int:
     from ..generation.decode import AUTO, cut_minimum, resolve_draft_confidence
     from ..generation.target_forward import TargetForward
     from ..models.dscale.assistant import verify_costs_for
-    from ..training.data import read_prompts, render_prompt
 
     if args.peers:
         return _peers(args)
@@ -95,9 +103,7 @@ def main(args) -> int:
         extra |= dict(num_branches=args.num_branches)
     if args.prompt_lookup:
         extra |= dict(prompt_lookup=True)
-    rows = read_prompts(args.prompts, args.limit)
-    prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
-               for row in rows]
+    prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {args.method}", unit="prompt")
     result = bench_speculative(target, drafter, prompts, args.max_new_tokens, args.method,
                                on_prompt=lambda i: bar.update(1), **extra)
@@ -123,12 +129,10 @@ def main(args) -> int:
 
 
 def _peers(args) -> int:
-    import torch
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_peers, peers_for
     from ..generation.decode import resolve_draft_confidence
-    from ..training.data import read_prompts, render_prompt
 
     if args.method != "dscale" or args.prompt_lookup:
         raise ValueError("--peers runs every method (d2sd too, with --vp-drafter): leave out --method and "
@@ -139,9 +143,7 @@ def _peers(args) -> int:
     vp_drafter = load_drafter(args.vp_drafter, target) if args.vp_drafter else None
     confidence = resolve_draft_confidence(args.draft_confidence, target.device)
     peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence)
-    rows = read_prompts(args.prompts, args.limit)
-    prompts = [(row["id"], torch.tensor([render_prompt(tokenizer, row["prompt"])], device=target.device))
-               for row in rows]
+    prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {len(peers)} peers", unit="prompt")
     result = bench_peers(target, peers, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
     bar.close()

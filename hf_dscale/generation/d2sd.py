@@ -58,7 +58,6 @@ from ..models.dscale import compat
 from ..models.dscale.modeling_dscale import DraftContextCache
 from .decode import AUTO, CPU_DRAFT_CONFIDENCE, _commit, _Decoder, _Rows, lay_out, resolve_draft_confidence
 from .lookup import PromptLookup
-from .masks import column_positions
 from .tree import TokenTree, walk_tree
 from .types import DecodeStats
 
@@ -318,9 +317,7 @@ class _TreeDecoder(_Decoder):
         start = self.valid.shape[1]
         ids = torch.tensor(tree.tokens, device=device)[None]
         positions = self.anchor_pos[:, None] + torch.tensor(tree.depths, device=device)
-        allowed = torch.cat((self.valid[0][None].expand(len(tree), -1), tree.ancestor_mask(device)), dim=1)
-        key_pos = torch.cat((column_positions(self.valid), positions), dim=1)
-        mask = self.attention.masks(allowed[None], positions, key_pos, dtype)  # windows by position, if any
+        mask = self.attention.after_cache(self.valid, positions, tree.ancestor_mask(device), dtype)
         logits = self.verify(self.cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=True)[0].float()  # [N, V]
         t2 = time.perf_counter()
@@ -435,7 +432,7 @@ def _decode_rows(target, drafter, vp_drafter, input_ids, valid, logits_processor
     stats = DecodeStats()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)  # processors and criteria see padded rows
     for i in range(b):
-        row_cache = cache if (b == 1 and cache is not None) else compat.new_cache(target)
+        row_cache = cache if b == 1 else None  # None: the decoder makes one
         decoder = _TreeDecoder(target, drafter, vp_drafter, rows, i, row_cache, logits_processor, stopping_criteria,
                                do_sample, streamer, num_branches, branch_policy, draft_confidence, prompt_lookup)
         try:

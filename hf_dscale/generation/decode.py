@@ -153,6 +153,8 @@ class _Decoder:
         self.attention = TargetAttention.of(target)
         if self.attention.sliding:  # crops and tree paths need every position; the masks apply the window
             cache = compat.new_cache(target, full=True)
+        elif cache is None:
+            cache = compat.new_cache(target)
         self.cache, self.processors, self.criteria = cache, processors, criteria
         self.do_sample, self.streamer = do_sample, streamer
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
@@ -205,9 +207,7 @@ class _Decoder:
         mask = torch.cat((self.valid, self.valid.new_ones(b, gamma)), dim=1).long()
         if self.attention.sliding:
             causal = torch.ones(gamma, gamma, dtype=torch.bool, device=block.device).tril()
-            allowed = torch.cat((self.valid[:, None, :].expand(b, gamma, -1), causal.expand(b, -1, -1)), dim=2)
-            key_pos = torch.cat((column_positions(self.valid), block_pos), dim=1)
-            mask = self.attention.masks(allowed, block_pos, key_pos, self.target.dtype)
+            mask = self.attention.after_cache(self.valid, block_pos, causal, self.target.dtype)
         logits = self.verify(self.cache, input_ids=block, attention_mask=mask, position_ids=block_pos,
                              use_cache=True)
         t2 = time.perf_counter()
@@ -272,7 +272,6 @@ def speculative_generate(
     b = input_ids.shape[0]
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     rows = _Rows(input_ids, [[] for _ in range(b)], [False] * b)
-    cache = cache if cache is not None else compat.new_cache(target)
     decoder = _Decoder(target, drafter, rows, cache, logits_processor, stopping_criteria, do_sample, streamer,
                        draft_confidence=draft_confidence)
     try:

@@ -72,6 +72,16 @@ class TargetAttention:
             return next(iter(built.values()))
         return {kind: built[window] for kind, window in self.windows.items()}
 
+    def after_cache(self, valid: torch.Tensor, query_pos: torch.Tensor, new_allowed: torch.Tensor,
+                    dtype: torch.dtype):
+        """`masks` for Q new tokens appended after the cache's C columns: each query sees the valid columns
+        (valid [B, C]) and the new tokens `new_allowed` [Q, Q] lets it see (causal for a chain, ancestors for a
+        tree); query_pos [B, Q]."""
+        b, q = query_pos.shape
+        allowed = torch.cat((valid[:, None, :].expand(b, q, -1), new_allowed.expand(b, -1, -1)), dim=2)
+        key_pos = torch.cat((column_positions(valid), query_pos), dim=1)
+        return self.masks(allowed, query_pos, key_pos, dtype)
+
 
 def column_positions(valid: torch.Tensor) -> torch.Tensor:
     """valid [B, C] bool over cache columns -> each column's position in its row (its count of valid columns

@@ -185,12 +185,6 @@ def detect_layout(path: str) -> str:
     )
 
 
-def reference_layout(path: str) -> str | None:
-    """"dflash", "dflare" or "transformers", or None for a native folder (see `detect_layout`)."""
-    layout = detect_layout(path)
-    return None if layout == "native" else layout
-
-
 # ------------------------------------------------------------------------------------------- reading
 def _our_names(state: dict, layout: str) -> dict:
     state = {k.removeprefix("model."): v for k, v in state.items()}
