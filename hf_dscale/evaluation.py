@@ -10,7 +10,7 @@ import torch
 
 from .generation import DecodeStats, custom_generate
 
-BENCH_METHODS = ("dscale", "dscale-tree", "d2sd")
+BENCH_METHODS = ("auto", "dscale", "dscale-tree", "d2sd")
 
 
 @dataclass
@@ -52,6 +52,7 @@ class BenchResult:
             "per_prompt": self.per_prompt,
             **({"verify_tokens": verify_tokens} if verify_tokens else {}),
             **({"tree_tokens": verify_tokens} if verify_tokens and self.method != "dscale" else {}),
+            **({"plan": self.stats.plan.to_dict()} if self.stats.plan is not None else {}),
         }
 
 
@@ -78,9 +79,10 @@ def bench_speculative(
 ) -> BenchResult:
     """Plain greedy `generate()` and the speculative method on the same prompts, alternating per prompt.
 
-    method "dscale" decodes with `drafter` alone, verifying its block as a chain; "dscale-tree" verifies the
-    block plus the drafter's own runner-up alternatives as a token tree; "d2sd" adds `vp_drafter` (extra keyword
-    arguments such as `num_branches` go to `custom_generate`).
+    method "auto" decodes as `custom_generate` does with no method options (the engine's plan chooses); "dscale"
+    verifies the drafter's block as a chain; "dscale-tree" the block plus the drafter's own runner-up alternatives
+    as a token tree; "d2sd" adds `vp_drafter` (extra keyword arguments such as `num_branches` go to
+    `custom_generate`).
     """
     if method not in BENCH_METHODS:
         raise ValueError(f"method must be one of {BENCH_METHODS}, got {method!r}.")
@@ -91,8 +93,8 @@ def bench_speculative(
     spec_kw = dict(custom_generate=custom_generate, drafter=drafter, **method_kwargs)
     if vp_drafter is not None:
         spec_kw["vp_drafter"] = vp_drafter
-    if method == "dscale-tree":
-        spec_kw["draft_tree"] = True
+    if method in ("dscale", "dscale-tree"):
+        spec_kw["draft_tree"] = method == "dscale-tree"
     warm = prompts[0][1]
     target.generate(warm, max_new_tokens=4, do_sample=False)
     target.generate(warm, max_new_tokens=4, do_sample=False, **spec_kw)
@@ -141,7 +143,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
     * `transformers-dflash`: transformers' own DFlash assisted decoding with the drafter
       (`speculation_type="dflash"`), where the installed transformers taps the right layers;
     * `assistant_model`: transformers' assisted decoding with the drafter;
-    * `dscale`, `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`.
+    * `dscale-auto` (what `custom_generate` does with no method options: the engine's plan chooses), `dscale` (the
+      chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`.
     """
     from .models.dscale.compat import native_dflash_reads_layer_outputs
 
@@ -155,7 +158,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         peers.append(Peer("transformers-dflash", {"assistant_model": drafter, "speculation_type": "dflash"}))
     peers += [
         Peer("assistant_model", {"assistant_model": drafter}),
-        Peer("dscale", ours, dscale=True),
+        Peer("dscale-auto", ours, dscale=True),
+        Peer("dscale", dict(ours, draft_tree=False), dscale=True),
         Peer("dscale-tree", dict(ours, draft_tree=True, num_branches=num_branches), dscale=True),
         Peer("dscale-tree-lookup", dict(ours, draft_tree=True, num_branches=num_branches, prompt_lookup=True),
              dscale=True),
@@ -260,6 +264,68 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}
                for a in report}
     return {"peers": report, "speedup": speedup, "per_prompt": per_prompt}
+
+
+def _left_pad(rows: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [1, P_i] -> left-padded input ids and attention mask [B, max P_i], as a tokenizer pads for generate()."""
+    width = max(r.shape[1] for r in rows)
+    ids = rows[0].new_full((len(rows), width), pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1] :], mask[i, width - r.shape[1] :] = r[0], 1
+    return ids, mask
+
+
+def _new_tokens(sequences: torch.Tensor, prompt_width: int, pad_token_id: int, eos: set[int]) -> int:
+    """Tokens generated per row up to and including its EOS (the rest is padding), summed over rows."""
+    total = 0
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        total += end
+    return total
+
+
+@torch.no_grad()
+def bench_batched(target, prompts: list[tuple[str, torch.Tensor]], batch_size: int, max_new_tokens: int = 256,
+                  pad_token_id: int = 0, on_batch: Callable[[int], None] | None = None, **method_kwargs) -> dict:
+    """Throughput of a method on batches of `batch_size` left-padded prompts against the same method one prompt at a
+    time and plain batched `generate()`, interleaved per batch, greedy; the batched output must equal plain
+    `generate()`'s on the same batch. `method_kwargs` go to `target.generate` (with `custom_generate=...`)."""
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+    if not groups:
+        raise ValueError(f"--batch-size {batch_size} needs at least {batch_size} prompts, got {len(prompts)}.")
+    ways = ("plain_batched", "method_batched", "method_batch_1")
+    seconds, tokens = dict.fromkeys(ways, 0.0), dict.fromkeys(ways, 0)
+    identical, stats = True, DecodeStats()
+    ids, mask = _left_pad([p[1] for p in groups[0]], pad_token_id)
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **method_kwargs)  # warm-up
+    for g, group in enumerate(groups):
+        ids, mask = _left_pad([p[1] for p in group], pad_token_id)
+        plain, t = _timed(lambda: target.generate(input_ids=ids, attention_mask=mask, **kw))
+        seconds["plain_batched"] += t
+        tokens["plain_batched"] += _new_tokens(plain, ids.shape[1], pad_token_id, eos)
+        group_stats = DecodeStats()
+        out, t = _timed(lambda: target.generate(input_ids=ids, attention_mask=mask, **kw, **method_kwargs,
+                                                dscale_stats=group_stats))
+        stats.merge(group_stats)
+        seconds["method_batched"] += t
+        tokens["method_batched"] += _new_tokens(out, ids.shape[1], pad_token_id, eos)
+        identical = identical and torch.equal(out, plain)
+        for _, one in group:
+            single, t = _timed(lambda: target.generate(one, **kw, **method_kwargs))
+            seconds["method_batch_1"] += t
+            tokens["method_batch_1"] += _new_tokens(single, one.shape[1], pad_token_id, eos)
+        if on_batch is not None:
+            on_batch(g)
+    rate = {way: _significant(tokens[way] / max(seconds[way], 1e-9)) for way in ways}
+    return {"batch_size": batch_size, "n_prompts": batch_size * len(groups), "identical": identical,
+            "tokens_per_s": rate, "new_tokens": tokens, "seconds": {w: round(s, 4) for w, s in seconds.items()},
+            "batched_over_batch_1": _significant(rate["method_batched"] / max(rate["method_batch_1"], 1e-9)),
+            "batched_over_plain_batched": _significant(rate["method_batched"] / max(rate["plain_batched"], 1e-9)),
+            "tau": round(stats.tau, 4), "plan": None if stats.plan is None else stats.plan.to_dict()}
 
 
 @torch.no_grad()

@@ -8,7 +8,6 @@ rejections at every depth, EOS inside a block and rows that advance at different
 from __future__ import annotations
 
 import os
-import weakref
 
 import pytest
 import torch
@@ -42,12 +41,15 @@ VOCAB = 96
 MASK_ID = VOCAB - 1
 
 
+REAL_MIN_DRAFTS_FOR = assistant.min_drafts_for
+
+
 @pytest.fixture(autouse=True)
 def fixed_min_drafts(monkeypatch):
     """A confidence cut keeps at least 4 drafts in every test: measured on a tiny model, whose forwards all cost
     about the same, the minimum would be the whole block and vary with the machine's noise.
     tests/generation/test_min_drafts.py measures it (fake clock and real)."""
-    monkeypatch.setattr(assistant, "MIN_DRAFTS", 4)
+    monkeypatch.setattr(assistant, "min_drafts_for", lambda target, forward=None: 4)
 
 
 def cpu_like_costs(max_width: int) -> dict[int, float]:
@@ -72,7 +74,6 @@ def split_head_everywhere(monkeypatch):
     """Verifies apply the LM head themselves, transposed at every width, wherever the probe allows it (every tiny
     target here): each decode test then checks that path, and none depends on a timing. The chooser is tested for
     real in tests/generation/test_target_forward.py."""
-    monkeypatch.setattr(target_forward, "_CHOSEN", weakref.WeakKeyDictionary())
     monkeypatch.setattr(target_forward, "faster_transposed", lambda head, widths, batch_size=1: set(widths))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..evaluation import BENCH_METHODS
-from ..generation.d2sd import BRANCH_POLICIES
+from ..engine.plan import BRANCH_POLICIES
 from .common import add_cut_arg, add_model_args, describe_machine, emit_report, load_drafter, load_models
 
 
@@ -11,8 +11,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="tau, speedup and exactness of a drafter on a prompt file")
     add_model_args(p)
     p.add_argument("--vp-drafter", default=None, help="variable-prefix drafter (method d2sd)")
-    p.add_argument("--method", choices=BENCH_METHODS, default="dscale",
-                   help="dscale: the drafter's block, verified as a chain; dscale-tree: that block plus the K best "
+    p.add_argument("--method", choices=BENCH_METHODS, default="auto",
+                   help="auto: what custom_generate does with no method options (the engine's plan chooses for the "
+                        "device); dscale: the drafter's block, verified as a chain; dscale-tree: that block plus the K best "
                         "alternatives from the drafter's own distributions, verified as one token tree; d2sd: plus "
                         "a variable-prefix drafter's re-drafted branches (--vp-drafter)")
     p.add_argument("--num-branches", type=int, default=4, help="d2sd, dscale-tree: branches per cycle (K)")
@@ -29,6 +30,9 @@ def add_parser(sub) -> None:
                         "(speculation_type='dflash', where it taps the right layers), assistant_model=, and "
                         "hf_dscale's dscale, dscale-tree, dscale-tree-lookup and, with --vp-drafter, d2sd "
                         "(replaces --method and --prompt-lookup)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="decode the prompts in left-padded batches of this size and report the method's tokens/s "
+                        "against the same method one prompt at a time and plain batched generate() (with --method)")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -78,24 +82,20 @@ def main(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_speculative
-    from ..generation.d2sd import resolve_tree_confidence
-    from ..generation.decode import AUTO, cut_minimum, resolve_draft_confidence
-    from ..generation.target_forward import TargetForward
-    from ..models.dscale.assistant import verify_costs_for
 
     if args.peers:
         return _peers(args)
+    if args.batch_size > 1:
+        return _batched(args)
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and "
                          "dscale-tree take none.")
-    if args.prompt_lookup and args.method == "dscale":
+    if args.prompt_lookup and args.method in ("auto", "dscale"):
         raise ValueError("--prompt-lookup adds a branch to a token tree: use --method dscale-tree (or d2sd).")
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
-    resolve = resolve_tree_confidence if args.method == "d2sd" else resolve_draft_confidence
-    confidence = resolve(args.draft_confidence, target.device)
-    extra = {"draft_confidence": confidence}
+    extra = {"draft_confidence": args.draft_confidence}
     if args.method == "d2sd":
         extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
                       branch_policy=args.branch_policy)
@@ -109,15 +109,14 @@ def main(args) -> int:
                                on_prompt=lambda i: bar.update(1), **extra)
     bar.close()
     report = result.to_json()
-    block_size = drafter.config.block_size
-    verify = TargetForward.for_target(target, block_size)  # chosen once (batch 1) before the run; not again
+    plan = result.stats.plan  # measured once before the run (at its warm-up), not again
     report.update(command=args.command_line, target=args.target, drafter=args.drafter, vp_drafter=args.vp_drafter,
-                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, prompt_lookup=args.prompt_lookup,
-                  draft_confidence=confidence, min_drafts=cut_minimum(target, confidence, verify),
-                  verify_costs_ms=None if confidence != AUTO else {  # measured once before the run; not again
-                      str(w): round(1000 * s, 2) for w, s in verify_costs_for(target, block_size, forward=verify).items()},
-                  verify_forward=verify.kind,
-                  verify_head_transposed=sorted(verify.transposed or ()),
+                  prompts=args.prompts, max_new_tokens=args.max_new_tokens, prompt_lookup=plan.prompt_lookup,
+                  draft_confidence=plan.draft_confidence, min_drafts=plan.min_drafts,
+                  verify_costs_ms=None if plan.verify_costs is None else {
+                      str(w): round(1000 * s, 2) for w, s in plan.verify_costs.items()},
+                  verify_forward=plan.verify_path,
+                  verify_head_transposed=list(plan.transposed or ()),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
                   dtype=str(target.dtype),
@@ -132,16 +131,15 @@ def _peers(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_peers, peers_for
-    from ..generation.decode import resolve_draft_confidence
 
-    if args.method != "dscale" or args.prompt_lookup:
+    if args.method != "auto" or args.prompt_lookup:
         raise ValueError("--peers runs every method (d2sd too, with --vp-drafter): leave out --method and "
                          "--prompt-lookup.")
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
     vp_drafter = load_drafter(args.vp_drafter, target) if args.vp_drafter else None
-    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
+    confidence = args.draft_confidence
     peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence)
     prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {len(peers)} peers", unit="prompt")
@@ -163,3 +161,30 @@ def _peers(args) -> int:
         plt.tight_layout()
         plt.savefig(args.plot, dpi=120)
     return 0 if all(peer["identical"] for peer in result["peers"].values()) else 1
+
+
+def _batched(args) -> int:
+    from tqdm.auto import tqdm
+
+    from ..evaluation import bench_batched
+    from ..generation import custom_generate
+
+    target, tokenizer, drafter = load_models(args)
+    kwargs = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=args.draft_confidence)
+    if args.method == "d2sd":
+        kwargs |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
+                       branch_policy=args.branch_policy)
+    elif args.method in ("dscale", "dscale-tree"):
+        kwargs |= dict(draft_tree=args.method == "dscale-tree", prompt_lookup=args.prompt_lookup or None)
+    prompts = _prompt_ids(args, tokenizer, target.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bar = tqdm(total=len(prompts) // args.batch_size, desc=f"bench {args.method} at batch {args.batch_size}",
+               unit="batch")
+    result = bench_batched(target, prompts, args.batch_size, args.max_new_tokens, pad_token_id=pad,
+                           on_batch=lambda g: bar.update(1), **kwargs)
+    bar.close()
+    report = {"command": args.command_line, "method": args.method, "target": args.target, "drafter": args.drafter,
+              "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, **result, "device": str(target.device),
+              "dtype": str(target.dtype), "machine": describe_machine(target.device)}
+    emit_report(report, args.json)
+    return 0 if result["identical"] else 1

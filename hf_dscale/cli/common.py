@@ -93,20 +93,16 @@ def parse_cut(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
 
 
-def describe_cut(confidence, target, block_size: int, tree: bool = False) -> str:
-    """The cut in words, for the CLI's summary lines (the minimum as the decoding measured it, through the same
-    verify forward); `tree`: the drafter's own token tree."""
-    from ..generation.decode import AUTO, min_drafts_for
-    from ..generation.target_forward import TargetForward
-
-    if confidence == AUTO and tree:
-        return "draft_confidence auto: the likeliest tree nodes, as many as give the most tokens expected per second"
-    if confidence == AUTO:
-        return "draft_confidence auto: the head with the most tokens expected per second of verify"
-    if confidence > 0:
-        minimum = min_drafts_for(target, TargetForward.for_target(target, block_size))
-        return f"draft_confidence {confidence}, at least {minimum} drafts"
-    return "draft_confidence 0: whole blocks"
+def describe_plan(plan) -> str:
+    """The engine's plan (`hf_dscale.engine.Plan`) in words, for the CLI's summary lines."""
+    method = "a token tree" + (" with a prompt-lookup path" if plan.prompt_lookup else "") if plan.tree else "a chain"
+    if plan.draft_confidence == "auto":
+        cut = "sized for the most tokens expected per second of measured verify costs"
+    elif plan.draft_confidence > 0:
+        cut = f"draft_confidence {plan.draft_confidence}, at least {plan.min_drafts} drafts"
+    else:
+        cut = "whole blocks"
+    return f"{method}, {cut}"
 
 
 def load_models(args):

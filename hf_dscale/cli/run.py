@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import DEFAULT_DRAFTER, add_cut_arg, add_model_args, describe_cut, load_models
+from .common import DEFAULT_DRAFTER, add_cut_arg, add_model_args, describe_plan, load_models
 
 DEFAULT_PROMPT = (
     "A baker makes 14 loaves of bread in the morning and twice as many in the afternoon. "
@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     add_model_args(p, drafter_default=DEFAULT_DRAFTER)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chain", action="store_true",
+                   help="verify the drafter's block as a chain (bench's --method dscale); default: the method the "
+                        "engine's plan chooses for the device (bench's --method auto)")
     p.add_argument("--tree", action="store_true",
                    help="verify the drafter's block plus its own runner-up alternatives as one token tree "
                         "(bench's --method dscale-tree)")
@@ -29,22 +32,24 @@ def main(args) -> int:
     import torch
 
     from ..evaluation import bench_speculative
-    from ..generation.decode import resolve_draft_confidence
     from ..training.data import render_prompt
 
-    if args.prompt_lookup and not args.tree:
-        raise ValueError("--prompt-lookup adds a branch to a token tree: pass --tree as well.")
+    if args.prompt_lookup and args.chain:
+        raise ValueError("--prompt-lookup adds a branch to a token tree: leave out --chain.")
+    if args.chain and args.tree:
+        raise ValueError("--chain and --tree choose opposite methods: pass one (or neither, for the plan's choice).")
     print(f"loading target {args.target} and drafter {args.drafter} ...", flush=True)
     target, tokenizer, drafter = load_models(args)
     ids = torch.tensor([render_prompt(tokenizer, args.prompt)], device=target.device)
-    confidence = resolve_draft_confidence(args.draft_confidence, target.device)
-    method, extra = ("dscale-tree", dict(num_branches=args.num_branches)) if args.tree else ("dscale", {})
-    if args.prompt_lookup:
-        extra["prompt_lookup"] = True
+    method, extra = "auto", {}
+    if args.chain:
+        method = "dscale"
+    elif args.tree or args.prompt_lookup:
+        method, extra = "dscale-tree", dict(num_branches=args.num_branches, prompt_lookup=args.prompt_lookup)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
-                               draft_confidence=confidence, **extra)
+                               draft_confidence=args.draft_confidence, **extra)
     report = result.to_json()
-    cut = describe_cut(confidence, target, drafter.config.block_size, tree=args.tree)
+    cut = describe_plan(result.stats.plan)
     print(tokenizer.decode(result.outputs[0][0, ids.shape[1]:], skip_special_tokens=True))
     print(f"\nacceptance length tau = {report['tau']:.2f} tokens per target forward "
           f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")

@@ -1,7 +1,7 @@
 """`model.generate(..., custom_generate=hf_dscale.generation.custom_generate.generate, drafter=...)`.
 
 `generate()` prepares everything (logits processors, stopping criteria, the cache) and hands it here;
-we run the batched speculative loop. transformers drops `streamer` and `assistant_model` on the way to a
+the engine (`hf_dscale.engine`) decodes. transformers drops `streamer` and `assistant_model` on the way to a
 custom generate function, so they are taken as `streamer_=` and `drafter=`.
 """
 
@@ -11,8 +11,6 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models.dscale import compat
-from .d2sd import tree_generate
-from .decode import speculative_generate
 
 
 def _load_drafter(drafter, model):
@@ -33,77 +31,74 @@ def generate(
     generation_config=None,
     drafter=None,
     vp_drafter=None,
-    draft_tree: bool = False,
-    num_branches: int = 4,
-    branch_policy: str = "ranked",
+    draft_tree: bool | None = None,
+    num_branches: int | None = None,
+    branch_policy: str | None = None,
     tree_kernel: bool | None = None,
     draft_confidence: float | str | None = None,
-    prompt_lookup: bool = False,
+    prompt_lookup: bool | None = None,
+    plan=None,
     streamer_=None,
     dscale_stats=None,
     **model_kwargs,
 ):
     """Speculative decoding with a DScale/DFlash drafter; exact for greedy, lossless for sampling.
 
+    With no method options, the method is the one the engine's plan chooses for the device (`hf_dscale.engine.plan`):
+    greedy decoding verifies the drafter's own tree sized by measured verify costs, with a prompt-lookup path;
+    sampling verifies a chain. Every option below overrides that choice.
+
     Args:
-        drafter: a `DScaleDrafter` (or a path to one) trained for `model`.
+        drafter: a `DScaleDrafter` (or a path or Hub id of one) trained for `model`.
         vp_drafter: a variable-prefix drafter (or a path) to decode with D²SD: the first drafter's draft
-            plus `num_branches` re-drafted branches, verified as one token tree. Batches run row by row.
-        draft_tree: without `vp_drafter`, verify the drafter's block plus its own `num_branches` best
-            alternatives (a runner-up token at one depth, then the block's later drafts) as one token tree:
-            more tokens per target forward for a wider verify; on a CPU "auto" keeps only the nodes that pay
-            for their width (`draft_confidence`). Batches run row by row.
-        branch_policy: "ranked" (the K best (boundary, token) branch starts by rejection chance times
-            the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
-            starting with the VP drafter's best token other than the first draft's) or "vp" (the VP
-            drafter's argmax everywhere, as in the paper).
-        draft_confidence: how much of each block to verify, worth cutting where a wide verify costs more
-            than a narrow one (the CPU); output is unchanged. "auto": the head with the most tokens expected
-            per second, from the drafter's confidences and the target's verify costs (measured once, ~3 s
-            on a small CPU); a number in (0, 1): the head whose cumulative drafter confidence is at least
-            it; 0: the whole block. In a token tree every path stops at that depth; with `vp_drafter`
-            "auto" = 0.1, with `draft_tree` it verifies the likeliest nodes, as many as give the most tokens
-            expected per second (`throughput_tree`). Default: `drafter.draft_confidence` if set, else "auto"
-            on a CPU and 0 on a GPU.
-        prompt_lookup: with `draft_tree` or `vp_drafter`, add to each tree the tokens that followed the latest
-            earlier occurrence of the sequence's last few tokens (prompt lookup), weighed by how often such
-            proposals were accepted so far in the generation; helps where the output repeats its context (code,
-            quotes). No model pass; output is unchanged.
+            plus `num_branches` re-drafted branches, verified as one token tree.
+        draft_tree: True: verify the drafter's block plus its own best alternatives (a runner-up token at one depth,
+            then the block's later drafts) as one token tree; False: the block's chain only.
+        num_branches: branches a tree may hold (default 4).
+        branch_policy: D²SD only: "ranked" (default; the K best (boundary, token) branch starts by rejection chance
+            times the VP drafter's belief; several may share a boundary), "distinct" (one branch per boundary,
+            starting with the VP drafter's best token other than the first draft's) or "vp" (the VP drafter's
+            argmax everywhere, as in the paper).
+        draft_confidence: how much of each block to verify, worth cutting where a wide verify costs more than a
+            narrow one (the CPU); output is unchanged. "auto": the head (or the tree's nodes) with the most tokens
+            expected per second, from the drafter's confidences and the target's verify costs measured once; a number
+            in (0, 1): the head whose cumulative drafter confidence is at least it; 0: the whole block. Default:
+            `drafter.draft_confidence` if set, else the plan's ("auto" for trees and on a CPU, 0 for a GPU chain;
+            0.1 for D²SD on a CPU).
+        prompt_lookup: add to each tree the tokens that followed the latest earlier occurrence of the sequence's
+            last few tokens (prompt lookup), weighed by how often such proposals were accepted so far; helps where
+            the output repeats its context (code, quotes). No model pass; output is unchanged.
+        plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
+            target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).
-        dscale_stats: an optional `DecodeStats` that receives tau and stage timings.
+        dscale_stats: an optional `DecodeStats` that receives tau, stage timings and the plan.
     Returns:
         sequences [B, P + N], or a `GenerateDecoderOnlyOutput` when `return_dict_in_generate=True`.
     """
+    from ..engine import decode  # the engine imports this package's helpers
+
     drafter = _load_drafter(drafter, model)
-    if draft_confidence is None:  # the drafter's own setting, else the device's default
+    if draft_confidence is None and plan is None:  # the drafter's own setting, else the plan's default
         draft_confidence = getattr(drafter, "draft_confidence", None)
     if generation_config.num_beams not in (None, 1) or (generation_config.num_return_sequences or 1) != 1:
         raise ValueError("hf_dscale speculative decoding supports num_beams=1 and num_return_sequences=1.")
-    if prompt_lookup and vp_drafter is None and not draft_tree:
-        raise ValueError("prompt_lookup adds a branch to a token tree: pass draft_tree=True as well (or a vp_drafter).")
+    if prompt_lookup and vp_drafter is None and draft_tree is False:
+        raise ValueError("prompt_lookup adds a branch to a token tree: drop draft_tree=False (or pass a vp_drafter).")
+    if prompt_lookup and draft_tree is None and vp_drafter is None:
+        draft_tree = True
     if streamer_ is not None and input_ids.shape[0] != 1:
         raise ValueError("Streamers support batch size 1 only.")
     pad = generation_config.pad_token_id
     if pad is None:
         eos = generation_config.eos_token_id
         pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
-    common = dict(
-        attention_mask=model_kwargs.get("attention_mask"),
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        do_sample=bool(generation_config.do_sample),
-        pad_token_id=int(pad),
-        cache=compat.find_cache(model_kwargs),
-        streamer=streamer_,
-    )
-    if vp_drafter is not None or draft_tree:
-        vp_drafter = None if vp_drafter is None else _load_drafter(vp_drafter, model)
-        sequences, stats = tree_generate(model, drafter, vp_drafter, input_ids, num_branches=num_branches,
-                                         branch_policy=branch_policy, tree_kernel=tree_kernel,
-                                         draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, **common)
-    else:
-        sequences, stats = speculative_generate(model, drafter, input_ids, draft_confidence=draft_confidence,
-                                                **common)
+    vp_drafter = None if vp_drafter is None else _load_drafter(vp_drafter, model)
+    sequences, stats = decode(model, drafter, input_ids, model_kwargs.get("attention_mask"), vp_drafter=vp_drafter,
+                              plan=plan, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                              do_sample=bool(generation_config.do_sample), pad_token_id=int(pad),
+                              cache=compat.find_cache(model_kwargs), streamer=streamer_, tree_kernel=tree_kernel,
+                              tree=draft_tree, num_branches=num_branches, branch_policy=branch_policy,
+                              draft_confidence=draft_confidence, prompt_lookup=prompt_lookup)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

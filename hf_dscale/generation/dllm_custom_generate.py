@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..models.dllm import DiffusionModel
-from .decode import lay_out
+from ..engine.state import lay_out
 from .dllm import BLOCK_SIZES, blockbatch_generate, fast_dllm_generate
 
 METHODS = ("fast-dllm", "blockbatch")

@@ -7,7 +7,8 @@ product laid out the other way round, `(W @ h.T).T` (SGEMM(T, N, w, 49152, 576))
 ways. The verify then runs `target.base_model` and applies the head itself, in whichever layout a one-time
 timing found faster at that width.
 
-It does so only where a probe shows the target's logits *are* its head over the base model's last hidden
+Whether to, and at which widths, is measured once by the engine's `calibrate` (its `Plan.transposed`). It does so
+only where a probe shows the target's logits *are* its head over the base model's last hidden
 states (no soft-capping, scaling or bias the probe would miss): the target's own logits must equal
 `F.linear` over those hidden states bit for bit. The two layouts compute the same sums in another order, as
 the target's own forward already does at other widths, so greedy decoding keeps its identity with plain
@@ -17,7 +18,6 @@ the target's own forward already does at other widths, so greedy decoding keeps 
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +25,6 @@ from torch import nn
 
 from ..models.dscale import compat
 from ..models.dscale.assistant import median_seconds
-
-SPLIT_HEAD = True  # False: every verify runs the target's own forward
-# target -> {(batch, max_width): the transposed widths, or None for the target's own forward}. The values must not
-# refer to the target, or it would never be freed.
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 class TargetForward:
     """`forward(cache=None, **kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs, with
@@ -57,23 +51,6 @@ class TargetForward:
             return module(**kwargs).logits
         hidden = module(**kwargs).last_hidden_state  # [B, T, H]
         return apply_head(self.target.get_output_embeddings(), hidden, hidden.shape[1] in self.transposed)
-
-    @classmethod
-    def for_target(cls, target: nn.Module, max_width: int, batch_size: int = 1) -> "TargetForward":
-        """The split-head path on a CPU where the probe passes and some width in 1..max_width is faster
-        transposed, else the target's own forward. Decided once per target, batch size and max width
-        (~2 s for SmolLM2-135M and 16 widths on 2 cores). `SPLIT_HEAD = False` turns the split head off."""
-        if not SPLIT_HEAD:
-            return cls(target)
-        known = _CHOSEN.setdefault(target, {})
-        key = (batch_size, max_width)
-        if key not in known:
-            transposed = None
-            if splittable(target):
-                faster = faster_transposed(target.get_output_embeddings(), range(1, max_width + 1), batch_size)
-                transposed = frozenset(faster) or None
-            known[key] = transposed
-        return cls(target, known[key])
 
 
 def apply_head(head: nn.Linear, hidden: torch.Tensor, transposed: bool) -> torch.Tensor:

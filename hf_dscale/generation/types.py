@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -19,6 +20,7 @@ class DecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    plan: Any = None  # the engine's `Plan` (hf_dscale.engine), what was measured and chosen for the call
 
     @property
     def tau(self) -> float:
@@ -31,3 +33,4 @@ class DecodeStats:
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s
         self.other_s += other.other_s
+        self.plan = other.plan if other.plan is not None else self.plan

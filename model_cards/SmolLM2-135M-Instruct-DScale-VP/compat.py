@@ -6,8 +6,8 @@
 * The built-in DFlash candidate generator (5.16+) passes the drafter `hidden_states[i + 1]` for
   target layer i since 5.23 and `hidden_states[i]` (one layer early) before: a version table
   (`NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE`), not a reading of transformers' source.
-* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); D²SD keeps only the
-  accepted path of a verified token tree by rewriting them in place (`keep_tree_path`).
+* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); the engine keeps only the
+  accepted paths of verified token trees by rewriting them in place (`keep_paths`).
 * `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
   `cache` since (see `DraftGenerateOutput` in assistant.py, which answers to both).
 
@@ -63,19 +63,17 @@ def crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def keep_tree_path(cache, start: int, path: list[int]) -> None:
-    """After a tree forward appended N nodes at `start`, keep [0, start) plus the K/V of the nodes in
-    `path` (increasing node indices), packed at start, start + 1, ...; drop the rest."""
+def keep_paths(cache, start: int, index: torch.Tensor) -> None:
+    """After a forward appended N nodes per row at `start`, pack each row's accepted path at start, start + 1, ...:
+    index [B, L] holds the node (0..N-1) for each of those columns. The caller crops to start + L."""
     layers = getattr(cache, "layers", None)
     if layers is None or not all(hasattr(layer, "keys") for layer in layers):
-        raise TypeError(f"{type(cache).__name__} does not expose per-layer keys/values; D²SD needs a DynamicCache.")
-    index = None
+        raise TypeError(f"{type(cache).__name__} does not expose per-layer keys/values; token trees need a DynamicCache.")
+    b, width = index.shape
     for layer in layers:
-        if index is None:
-            index = torch.tensor(path, device=layer.keys.device) + start
-        for tensor in (layer.keys, layer.values):
-            tensor[..., start : start + len(path), :] = tensor[..., index, :]
-    crop_to(cache, start + len(path))
+        for tensor in (layer.keys, layer.values):  # [B, H, S, D]
+            gather = (index + start)[:, None, :, None].expand(b, tensor.shape[1], width, tensor.shape[-1])
+            tensor[:, :, start : start + width] = tensor.gather(2, gather.to(tensor.device))
 
 
 def attention_implementation(model) -> str:

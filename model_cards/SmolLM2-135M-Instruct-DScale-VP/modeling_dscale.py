@@ -109,11 +109,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _rows(x: torch.Tensor, r: int) -> torch.Tensor:
+    """x [B, ...] for r block rows: as is (B = r), shared (B = 1), or each context row for r / B consecutive block
+    rows (D²SD re-drafts every context row from several boundaries)."""
+    if x.shape[0] == r:
+        return x
+    if x.shape[0] == 1:
+        return x.expand(r, *x.shape[1:])
+    return x.repeat_interleave(r // x.shape[0], dim=0)
+
+
 def _join(context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """[context | block] along the sequence; a batch-1 context is shared by every block row (D²SD)."""
-    if context.shape[0] != block.shape[0]:
-        context = context.expand(block.shape[0], -1, -1, -1)
-    return torch.cat((context, block), dim=-2)
+    """[context | block] along the sequence, the context's rows spread over the block's (`_rows`)."""
+    return torch.cat((_rows(context, block.shape[0]), block), dim=-2)
 
 
 class DraftContextCache:
@@ -360,6 +368,8 @@ class DScaleDrafter(DScalePreTrainedModel):
         # tokens expected per second of verify, a number = the head whose cumulative confidence is at least
         # it, 0 = all of it; None = "auto" on a CPU (where wide verifies cost more), 0 elsewhere.
         self.draft_confidence: float | str | None = None
+        # A measured plan (`hf_dscale.engine.calibrate`) whose cut the assistant uses instead of measuring its own.
+        self.plan = None
         self.post_init()
         self.generation_config = GenerationConfig(
             num_assistant_tokens=config.block_size - 1,
@@ -536,17 +546,16 @@ class DScaleDrafter(DScalePreTrainedModel):
         """Logits [R, γ-1, V] at block positions 1..γ-1 (-inf for tokens outside `vocab`); with `compact` and a
         `vocab`, over its tokens only, [R, γ-1, len(vocab.ids)] (`DraftVocab.compact_logits`).
 
-        A variable-prefix drafter reads rows like `[anchor, t_1..t_i, mask, ...]` and fills the rest;
-        with a batch-1 context every row shares its K/V, computed once.
+        A variable-prefix drafter reads rows like `[anchor, t_1..t_i, mask, ...]` and fills the rest; a context of B
+        rows serves R = m·B block rows, m consecutive rows per context row, its K/V computed once.
         """
         handle = self._require_target()
         r, gamma = block_ids.shape
-        positions = anchor_positions.reshape(-1, 1) + torch.arange(gamma, device=block_ids.device)
-        positions = positions.expand(r, gamma)
+        positions = _rows(anchor_positions.reshape(-1, 1) + torch.arange(gamma, device=block_ids.device), r)
         mask = None
         if context_valid is not None:
             ones = context_valid.new_ones(context_valid.shape[0], gamma)
-            mask = torch.cat((context_valid, ones), dim=1)[:, None, None, :].expand(r, 1, gamma, -1)
+            mask = _rows(torch.cat((context_valid, ones), dim=1)[:, None, None, :], r).expand(r, 1, gamma, -1)
         hidden = self(handle.embed(block_ids), taps, positions, context_position_ids, cache, mask)
         hidden = hidden[:, 1:].to(handle.lm_head.weight.dtype)
         if vocab is None:

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from hf_dscale.cli import main
-from hf_dscale.generation.decode import CPU_DRAFT_CONFIDENCE
+from hf_dscale.models.dscale.assistant import CPU_DRAFT_CONFIDENCE
 
 from ..conftest import cpu_like_costs, tiny_drafter, tiny_target
 from ..training.test_trainer import _tokenizer
@@ -60,13 +60,13 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
 def test_bench_draft_confidence_sets_the_verified_block(folders, tmp_path, confidence):
     out = tmp_path / "bench.json"
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
-                 "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12", "--draft-confidence", confidence,
-                 "--json", str(out)])
+                 "--method", "dscale", "--prompts", PROMPTS, "--limit", "2", "--max-new-tokens", "12",
+                 "--draft-confidence", confidence, "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
     assert report["identical"] is True and report["draft_confidence"] == float(confidence)
-    assert report["min_drafts"] == (None if confidence == "0" else 4)  # 4: MIN_DRAFTS in the tests (conftest)
+    assert report["min_drafts"] == (None if confidence == "0" else 4)  # 4: the conftest's minimum
     if confidence == "0":
         assert report["verify_tokens"] == block_size  # no cut: every forward verifies a whole block
     else:
@@ -98,7 +98,7 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
     report = json.loads(out.read_text())
     names = ["generate", "generate-static", "transformers-prompt-lookup"]
     names += ["transformers-dflash"] if native_dflash_reads_layer_outputs() else []
-    names += ["assistant_model", "dscale", "dscale-tree", "dscale-tree-lookup", "d2sd"]
+    names += ["assistant_model", "dscale-auto", "dscale", "dscale-tree", "dscale-tree-lookup", "d2sd"]
     assert list(report["peers"]) == names
     assert code == (0 if all(p["identical"] for p in report["peers"].values()) else 1)
     for name in names:
@@ -178,8 +178,8 @@ def test_bench_and_run_with_prompt_lookup(folders, tmp_path, capsys):
                  "--prompt-lookup", "--prompts", PROMPTS]) == 2
     assert "--method dscale-tree" in capsys.readouterr().err
     assert main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
-                 "--prompt-lookup"]) == 2
-    assert "pass --tree as well" in capsys.readouterr().err
+                 "--prompt-lookup", "--chain"]) == 2
+    assert "leave out --chain" in capsys.readouterr().err
 
 
 def test_dscale_tree_with_a_vp_drafter_is_a_clear_error(folders, tmp_path, capsys):
@@ -310,12 +310,12 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "acceptance length tau" in out and "identical to plain greedy: True" in out
-    assert "draft_confidence auto: the head with the most tokens expected per second" in out  # the CPU's cut
+    assert "a token tree with a prompt-lookup path, sized for the most tokens expected per second" in out  # the plan
     code = main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
-                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8", "--tree"])
+                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8", "--chain"])
     out = capsys.readouterr().out
     assert code == 0 and "identical to plain greedy: True" in out
-    assert "the likeliest tree nodes" in out
+    assert "a chain, sized for the most tokens expected per second" in out  # the CPU's throughput cut
 
 
 def test_train_dllm_then_bench_both_methods(tmp_path, capsys):

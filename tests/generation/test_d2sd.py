@@ -8,9 +8,11 @@ import torch
 from scipy.stats import chisquare
 
 from hf_dscale import DScaleDrafter
-from hf_dscale.generation import DecodeStats, custom_generate, d2sd
-from hf_dscale.generation.d2sd import boundary_scores, own_branches, ranked_branches, throughput_tree, top_prefixes
-from hf_dscale.generation.decode import draft_length
+from hf_dscale.engine import accept, loop
+from hf_dscale.engine.plan import BRANCH_POLICIES
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.engine.proposers import boundary_scores, own_branches, ranked_branches, throughput_tree, top_prefixes
+from hf_dscale.models.dscale.assistant import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import assistant, compat
 
@@ -161,7 +163,8 @@ def test_tree_forward_and_kept_path_match_plain_forwards(kind):
             alone = target(torch.cat((prompt, torch.tensor([[tree.tokens[n] for n in nodes]])), dim=1)).logits[0, c:]
             assert torch.allclose(out[nodes], alone, atol=1e-5)
         # keep the path anchor -> 5 -> 12 and continue: same as feeding it after the prompt
-        compat.keep_tree_path(cache, c, [0, 1, 4])
+        compat.keep_paths(cache, c, torch.tensor([[0, 1, 4]]))
+        compat.crop_to(cache, c + 3)
         assert cache.get_seq_length() == c + 3
         nxt = target(input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[c + 3]]), use_cache=True,
                      **compat.cache_kwargs(target, cache)).logits[0, -1]
@@ -220,7 +223,7 @@ def _pair(target, reference, error_rate=0.3, vp_error_rate=0.0, block_size=8):
     return first, vp
 
 
-@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+@pytest.mark.parametrize("policy", BRANCH_POLICIES)
 def test_greedy_identity_random_drafters(target, policy):
     drafter, vp = tiny_drafter(target), tiny_drafter(target, seed=7)
     for seed, (length, new) in enumerate([(5, 17), (12, 40)]):
@@ -231,7 +234,7 @@ def test_greedy_identity_random_drafters(target, policy):
         assert torch.equal(plain, spec)
 
 
-@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+@pytest.mark.parametrize("policy", BRANCH_POLICIES)
 def test_branches_recover_rejected_drafts(target, policy):
     """With errors only in the first draft, at low confidence, the branches at those boundaries carry
     the right continuation: D²SD commits far more per forward than the first drafter alone."""
@@ -249,7 +252,7 @@ def test_branches_recover_rejected_drafts(target, policy):
     assert max(tree_stats.verified) <= 8 + 4 * 6  # spine + K branches, shared prefixes stored once
 
 
-@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+@pytest.mark.parametrize("policy", BRANCH_POLICIES)
 def test_vp_rows_are_the_anchor_a_spine_prefix_and_masks(target, policy):
     """The one batched VP pass reads rows `[anchor, t_1..t_i, mask, ...]` with t the first draft."""
     ids, _ = _prompt(1, 10, seed=3)
@@ -291,14 +294,14 @@ def _record_trees(monkeypatch) -> list[list[list[int]]]:
             trees.append(candidates)
             return super().from_candidates(anchor, candidates)
 
-    monkeypatch.setattr(d2sd, "TokenTree", Recording)
+    monkeypatch.setattr(loop, "TokenTree", Recording)
     return trees
 
 
-@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+@pytest.mark.parametrize("policy", BRANCH_POLICIES)
 def test_draft_confidence_caps_every_path_at_the_confident_head(target, policy, monkeypatch):
     """With `draft_confidence`, the spine and every branch end at the first drafter's confident head
-    (at least MIN_DRAFTS); branches inside it still fix low-confidence errors, and output is unchanged."""
+    (at least the minimum); branches inside it still fix low-confidence errors, and output is unchanged."""
     ids, _ = _prompt(1, 10, seed=3)
     plain = target.generate(ids, max_new_tokens=60, do_sample=False)
     torch.manual_seed(0)
@@ -371,7 +374,7 @@ def test_sampling_through_generate_matches_target(setup):  # noqa: F811
 
 def test_sampling_with_a_capped_tree_matches_target(setup, monkeypatch):  # noqa: F811
     target, drafter, prompt, exact = setup
-    monkeypatch.setattr(assistant, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    monkeypatch.setattr(assistant, "min_drafts_for", lambda target, forward=None: 1)  # blocks of only 3 drafts
     vp = tiny_drafter(target, block_size=4, seed=9)
     trees = _record_trees(monkeypatch)
     samples = _tree_samples(target, drafter, vp, prompt, seed=3, draft_confidence=0.2)
@@ -383,7 +386,7 @@ def test_sampling_with_a_capped_tree_matches_target(setup, monkeypatch):  # noqa
 def test_sampling_check_through_generate_catches_broken_rule(setup, monkeypatch):  # noqa: F811
     target, drafter, prompt, exact = setup
     vp = tiny_drafter(target, block_size=4, seed=9)
-    monkeypatch.setattr(d2sd, "walk_tree", _lenient_walk)
+    monkeypatch.setattr(accept, "walk_tree", _lenient_walk)
     samples = _tree_samples(target, drafter, vp, prompt)
     assert min(_pvalue(samples[:, j], exact[j]) for j in range(NEW)) < 1e-6
 
@@ -403,7 +406,7 @@ def test_hub_style_custom_generate_folder_takes_the_vp_drafter():
     assert stats.verified  # the tree path ran
 
 
-@pytest.mark.parametrize("policy", d2sd.BRANCH_POLICIES)
+@pytest.mark.parametrize("policy", BRANCH_POLICIES)
 def test_a_vp_draft_vocab_proposes_as_its_whole_vocabulary_logits_masked(target, policy, monkeypatch):
     """A VP drafter with a draft vocabulary scores only its columns and maps them back to token ids: the
     trees are those of the same drafter over the whole vocabulary with the other tokens masked out."""
@@ -539,7 +542,7 @@ def test_own_tree_recovers_runner_up_drafts(target, monkeypatch):
     drafter.oracle, drafter.error_rate = oracle_from(plain), 0.3
     chain_stats, tree_stats = DecodeStats(), DecodeStats()
     kw = dict(max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=drafter, draft_confidence=0)
-    chain = target.generate(ids, **kw, dscale_stats=chain_stats)
+    chain = target.generate(ids, **kw, draft_tree=False, dscale_stats=chain_stats)
     trees = _record_trees(monkeypatch)
     tree = target.generate(ids, **kw, draft_tree=True, num_branches=4, dscale_stats=tree_stats)
     assert torch.equal(plain, chain) and torch.equal(plain, tree)

@@ -7,7 +7,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.decode import AUTO, draft_length, resolve_draft_confidence, throughput_length
+from hf_dscale.models.dscale.assistant import AUTO, draft_length, resolve_draft_confidence, throughput_length
 from hf_dscale.models.dscale import assistant
 
 from ..conftest import MASK_ID, OracleDrafter, cpu_like_costs, oracle_from, tiny_drafter, tiny_target
@@ -173,7 +173,7 @@ def test_draft_length_is_the_confident_head_of_the_widest_active_row():
 
     rows = torch.stack((logits(0.9, 0.8, 0.6, 0.9, 0.9), logits(0.95, 0.95, 0.95, 0.95, 0.95)))
     assert draft_length(rows[:1], 0.5, minimum=1) == 2  # cumulative 0.9, 0.72, 0.43 -> the third falls below
-    assert draft_length(rows[:1], 0.5) == assistant.MIN_DRAFTS == 4  # no minimum given: MIN_DRAFTS (conftest)
+    assert draft_length(rows[:1], 0.5) == assistant.FALLBACK_MIN_DRAFTS == 4  # no minimum given: the fallback
     assert draft_length(rows, 0.5, minimum=1) == 5  # the second row keeps all five, and rows share the block
     assert draft_length(rows, 0.5, active=[True, False], minimum=1) == 2  # a finished row does not widen it
     assert draft_length(rows[:1], 0.95, minimum=0) == 1  # at least one draft
@@ -196,7 +196,7 @@ def test_cuts_keep_greedy_identity_and_vary_the_blocks(batch, kind, cut, boost):
         stats = DecodeStats()
         spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                                custom_generate=custom_generate, drafter=drafter, draft_confidence=cut,
-                               dscale_stats=stats)
+                               draft_tree=False, dscale_stats=stats)
         assert torch.equal(plain, spec), f"seed {seed}"
         assert len(set(stats.verified)) > 1 and max(stats.verified) <= drafter.config.block_size
         if cut == "auto":
@@ -214,7 +214,7 @@ def test_custom_generate_reads_the_drafters_draft_confidence():
     for setting in (0.0, None):
         drafter.draft_confidence, stats = setting, DecodeStats()
         spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                               custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+                               custom_generate=custom_generate, drafter=drafter, draft_tree=False, dscale_stats=stats)
         assert torch.equal(plain, spec)
         verified[setting] = set(stats.verified)
     assert verified[0.0] == {drafter.config.block_size}  # whole blocks, though the target is on the CPU

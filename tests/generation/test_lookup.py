@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.d2sd import throughput_tree
+from hf_dscale.engine.proposers import throughput_tree
 from hf_dscale.generation.lookup import PromptLookup
 from hf_dscale.models.dscale import assistant
 
@@ -105,9 +105,9 @@ def test_prompt_lookup_commits_more_where_the_output_repeats_itself(target, monk
 
 def test_prompt_lookup_needs_a_tree(target):
     ids, _ = _prompt(1, 5, seed=0)
-    with pytest.raises(ValueError, match="draft_tree=True"):
+    with pytest.raises(ValueError, match="drop draft_tree=False"):
         target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=tiny_drafter(target),
-                        prompt_lookup=True)
+                        prompt_lookup=True, draft_tree=False)
 
 
 def test_prompt_lookup_sampling_through_generate_matches_target(setup):  # noqa: F811

@@ -3,8 +3,6 @@ the throughput cut weighs."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 from torch import nn
@@ -12,16 +10,14 @@ from torch import nn
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.models.dscale import assistant
 
-from ..conftest import REAL_VERIFY_COSTS_FOR, tiny_target
+from ..conftest import REAL_MIN_DRAFTS_FOR, REAL_VERIFY_COSTS_FOR, tiny_target
 from .test_exactness import _oracle, _prompt, record_candidate_widths
 
 
 @pytest.fixture(autouse=True)
 def measured(monkeypatch):
-    """Undo conftest's fixed minimum, and start with nothing measured."""
-    monkeypatch.setattr(assistant, "MIN_DRAFTS", None)
-    monkeypatch.setattr(assistant, "_MEASURED_MIN_DRAFTS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(assistant, "_MEASURED_COSTS", weakref.WeakKeyDictionary())
+    """Undo conftest's fixed minimum."""
+    monkeypatch.setattr(assistant, "min_drafts_for", REAL_MIN_DRAFTS_FOR)
 
 
 class CostedTarget(nn.Module):
@@ -55,15 +51,12 @@ def test_cheap_verify_width_is_the_widest_within_tolerance_of_the_cheapest(cost,
     assert target.calls[0] == 1 and sorted(target.calls[1:]) == sorted(list(range(2, 9)) * 3)  # warm-up, interleaved
 
 
-def test_min_drafts_for_measures_once_per_target_and_honours_the_override(monkeypatch):
+def test_min_drafts_for_is_one_less_than_the_cheap_width(monkeypatch):
     widths = iter([3, 6])
     monkeypatch.setattr(assistant, "cheap_verify_width", lambda target, forward=None: next(widths))
-    first, second = tiny_target("llama"), tiny_target("llama")
+    first = tiny_target("llama")
     assert assistant.min_drafts_for(first) == 2  # one less than the width: the anchor is verified too
-    assert assistant.min_drafts_for(first) == 2  # cached: the second width was not drawn
-    assert assistant.min_drafts_for(second) == 5
-    monkeypatch.setattr(assistant, "MIN_DRAFTS", 7)
-    assert assistant.min_drafts_for(first) == 7  # an int set by the user wins
+    assert assistant.min_drafts_for(first) == 5  # measured again: keeping it is the caller's (the plan's) business
 
 
 def test_cheap_verify_width_times_the_forward_it_is_given():
@@ -73,9 +66,8 @@ def test_cheap_verify_width_times_the_forward_it_is_given():
     assert target.calls == [] and len(path.calls) == 1 + 7 * 3
 
 
-def test_min_drafts_is_measured_once_per_verify_path(monkeypatch):
-    """A confidence cut's minimum is timed on the forward the verifies run (the split head or the target's own),
-    once per path kind."""
+def test_min_drafts_is_measured_on_the_verify_path(monkeypatch):
+    """A confidence cut's minimum is timed on the forward the verifies run (the split head or the target's own)."""
     seen = []
 
     def width(target, forward=None):
@@ -87,16 +79,15 @@ def test_min_drafts_is_measured_once_per_verify_path(monkeypatch):
     assert assistant.min_drafts_for(target) == 2
     assert assistant.min_drafts_for(target, split) == 5
     assert assistant.DraftCut.for_target(target, 0.1, 16, 1, split).minimum == 5  # the cut passes its forward on
-    assert assistant.min_drafts_for(target) == 2 and seen == [None, split]  # each path measured once
+    assert seen == [None, split, split]
 
 
 def test_cut_minimum_measures_only_when_there_is_a_cut(monkeypatch):
     widths = iter([4])
     monkeypatch.setattr(assistant, "cheap_verify_width", lambda target, forward=None: next(widths))
     target = tiny_target("llama")
-    assert assistant.cut_minimum(target, 0.0) is None  # whole blocks: nothing measured
-    assert target not in assistant._MEASURED_MIN_DRAFTS
-    assert assistant.cut_minimum(target, 0.1) == 3 == assistant.min_drafts_for(target)
+    assert assistant.cut_minimum(target, 0.0) is None  # whole blocks: nothing measured (the width was not drawn)
+    assert assistant.cut_minimum(target, 0.1) == 3
 
 
 def test_min_drafts_off_the_cpu_is_the_fallback_without_measuring():
@@ -114,15 +105,14 @@ def test_draft_length_without_a_minimum_uses_the_fallback():
 
 
 def test_min_drafts_measured_on_the_real_tiny_target():
-    """No fake clock: a real measurement returns a width in range and is cached."""
-    target = tiny_target("llama")
-    n = assistant.min_drafts_for(target)
-    assert 1 <= n <= 7 and assistant.min_drafts_for(target) == n
+    """No fake clock: a real measurement returns a width in range."""
+    assert 1 <= assistant.min_drafts_for(tiny_target("llama")) <= 7
 
 
 @pytest.mark.parametrize("path", ["custom_generate", "assistant_model"])
 def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
-    """With a cut, decoding asks min_drafts_for once and never verifies fewer drafts; output is exact."""
+    """With a cut, decoding measures the minimum once (the plan's, the assistant session's) and never verifies fewer
+    drafts; output is exact."""
     measured = []
     monkeypatch.setattr(assistant, "cheap_verify_width",
                         lambda target, forward=None: measured.append((target, getattr(forward, "kind", None))) or 3)
@@ -133,12 +123,16 @@ def test_both_entry_points_cut_to_the_measured_minimum(path, monkeypatch):
     drafter.boost = 7.0  # confidences spread over (0, 1), so the cut often falls below the minimum
     if path == "custom_generate":
         stats = DecodeStats()
+        target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter,
+                        draft_confidence=0.5, draft_tree=False)  # a second call: the plan is kept, not measured again
         out = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate,
-                              drafter=drafter, draft_confidence=0.5, dscale_stats=stats)
+                              drafter=drafter, draft_confidence=0.5, draft_tree=False, dscale_stats=stats)
         widths = [v - 1 for v in stats.verified[:-1]]  # drafts per forward; the last block may be cut by the budget
     else:
         widths = record_candidate_widths(monkeypatch)
         drafter.draft_confidence = 0.5
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, do_sample=False)  # the cut is kept, too
+        widths.clear()
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=60, do_sample=False)
         widths = widths[1:-1]  # the first call proposes one token (no target features yet); the last is budget-cut
     assert torch.equal(plain, out)
@@ -155,7 +149,7 @@ def test_verify_costs_are_medians_of_interleaved_forwards():
     assert target.calls == [1] + [1, 2, 3, 4] * 3  # warm-up, then the widths in turn
 
 
-def test_verify_costs_for_measures_once_per_target_and_batch_size(monkeypatch):
+def test_verify_costs_for_measures_widths_one_to_max_at_the_batch_size(monkeypatch):
     calls = []
 
     def fake(target, widths, repeats=3, batch_size=1, clock=None, forward=None):
@@ -165,14 +159,11 @@ def test_verify_costs_for_measures_once_per_target_and_batch_size(monkeypatch):
     monkeypatch.setattr(assistant, "verify_costs", fake)
     target = tiny_target("llama")
     assert REAL_VERIFY_COSTS_FOR(target, 4) == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
-    assert REAL_VERIFY_COSTS_FOR(target, 3) == {1: 1.0, 2: 2.0, 3: 3.0}  # known already
     assert REAL_VERIFY_COSTS_FOR(target, 3, batch_size=2) == {1: 2.0, 2: 4.0, 3: 6.0}
     assert calls == [(1, [1, 2, 3, 4]), (2, [1, 2, 3])]
 
 
 def test_verify_costs_measured_on_the_real_tiny_target():
-    """No fake clock: one positive cost per width, then the same table from the cache."""
-    target = tiny_target("llama")
-    costs = REAL_VERIFY_COSTS_FOR(target, 5)
+    """No fake clock: one positive cost per width."""
+    costs = REAL_VERIFY_COSTS_FOR(tiny_target("llama"), 5)
     assert sorted(costs) == [1, 2, 3, 4, 5] and all(0 < s < 10 for s in costs.values())
-    assert REAL_VERIFY_COSTS_FOR(target, 5) == costs

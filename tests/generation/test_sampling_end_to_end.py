@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dscale.generation import DecodeStats, custom_generate, decode
+from hf_dscale.engine import accept
+from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.models.dscale import assistant
 
 from ..conftest import tiny_drafter, tiny_target
@@ -63,7 +64,7 @@ def test_sampling_with_a_cut_matches_target(setup, monkeypatch, cut):
     verify costs; both decided from q's top probabilities, never from the drawn tokens) keep the target's
     distribution."""
     target, drafter, prompt, exact = setup
-    monkeypatch.setattr(assistant, "MIN_DRAFTS", 1)  # this drafter's blocks hold only 3 drafts
+    monkeypatch.setattr(assistant, "min_drafts_for", lambda target, forward=None: 1)  # blocks of only 3 drafts
     stats = DecodeStats()
     samples = _custom_samples(target, drafter, prompt, draft_confidence=cut, seed=2, dscale_stats=stats)
     assert min(stats.verified) < drafter.config.block_size  # the cut did narrow the blocks
@@ -73,7 +74,7 @@ def test_sampling_with_a_cut_matches_target(setup, monkeypatch, cut):
 
 def test_custom_generate_check_catches_broken_rule(setup, monkeypatch):
     target, drafter, prompt, exact = setup
-    monkeypatch.setattr(decode, "speculative_accept", _broken_recovered_from_p)
+    monkeypatch.setattr(accept, "speculative_accept", _broken_recovered_from_p)
     samples = _custom_samples(target, drafter, prompt)
     assert min(_pvalue(samples[:, j], exact[j]) for j in range(1, NEW)) < 1e-6
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
+from hf_dscale.engine import calibrate, plan_for
 from hf_dscale.generation import DecodeStats, custom_generate, target_forward
 from hf_dscale.generation.target_forward import TargetForward, apply_head, splittable
 from hf_dscale.models.dscale import compat
@@ -62,7 +63,7 @@ def test_faster_transposed_keeps_the_widths_whose_timing_is_lower(monkeypatch):
     assert sorted(calls[1:]) == sorted(list(cost) * 3)  # three timed repeats of each (width, layout)
 
 
-def test_for_target_decides_once_per_batch_size_and_width(monkeypatch):
+def test_calibrate_decides_the_layout_per_batch_size(monkeypatch):
     calls = []
 
     def fake(head, widths, batch_size=1):
@@ -71,12 +72,13 @@ def test_for_target_decides_once_per_batch_size_and_width(monkeypatch):
 
     monkeypatch.setattr(target_forward, "faster_transposed", fake)
     target = tiny_target("llama")
-    split = TargetForward.for_target(target, 4)
-    assert split.kind == "split-head" and split.transposed == {2, 3}
-    assert TargetForward.for_target(target, 4).transposed == {2, 3}  # decided already: not timed again
-    assert TargetForward.for_target(target, 4, batch_size=2).kind == "model"  # no width is faster: the model's own
+    drafter = tiny_drafter(target, block_size=4)
+    split = calibrate(target, drafter, tree=False)
+    assert split.verify_path == "split-head" and split.transposed == (2, 3)
+    assert split.forward(target).kind == "split-head" and split.forward(target).transposed == {2, 3}
+    assert calibrate(target, drafter, tree=False, batch_size=2).verify_path == "model"  # no width faster: the model's
     assert calls == [(1, [1, 2, 3, 4]), (2, [1, 2, 3, 4])]
-    assert TargetForward.for_target(tiny_gemma2(5.0), 4).kind == "model" and len(calls) == 2  # probed, not timed
+    assert not splittable(tiny_gemma2(5.0)) and len(calls) == 2  # calibrate probes before it times: no timing
 
 
 @pytest.mark.parametrize("transposed", [frozenset(), frozenset({4})])
@@ -118,14 +120,15 @@ def test_custom_generate_greedy_identity_on_either_path(split, monkeypatch):
                            custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
     assert torch.equal(plain, spec)
     assert stats.tau > 1.5
-    transposed = target_forward._CHOSEN[target][(2, drafter.config.block_size)]  # what the decoder was given
-    assert transposed == (frozenset(range(1, drafter.config.block_size + 1)) if split else None)
+    assert stats.plan.transposed == (tuple(range(1, drafter.config.block_size + 1)) if split else None)
 
 
-def test_a_decided_target_can_still_be_freed():
+def test_a_planned_target_can_still_be_freed():
     target = tiny_target("llama")
-    TargetForward.for_target(target, 4)
-    assert len(target_forward._CHOSEN) == 1
+    drafter = tiny_drafter(target)
+    plan_for(target, drafter, batch_size=1)
+    assert len(drafter._plans) == 1
+    drafter.bind_target(tiny_target("llama", seed=1))  # the drafter lets go of the first target
     del target
     gc.collect()
-    assert len(target_forward._CHOSEN) == 0
+    assert len(drafter._plans) == 0

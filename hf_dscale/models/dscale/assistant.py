@@ -82,34 +82,24 @@ class DraftGenerateOutput:
     past_key_values: None = None
 
 
-# How many drafts a confidence cut keeps at least. The cheapest verify width above one token depends on the
-# CPU's BLAS: on one 2-core machine 2 and 3 new tokens cost more than 5 (SmolLM2 with a 300-token cache,
-# medians of 12: 42 / 65 / 80 / 62 / 58 ms for 1-5 new tokens), on another 2 and 3 are the cheap ones
-# (42 / 47 / 53 / 69 / 71 ms). So it is measured once per target on a CPU (`min_drafts_for`); set an int here to
-# fix it everywhere. Off the CPU, where a cut is rarely used (a wide verify costs about one step), and in
-# `draft_length` when the caller gives none, the minimum is `FALLBACK_MIN_DRAFTS`.
-MIN_DRAFTS: int | None = None
+# How many drafts a confidence cut keeps at least where it is not measured (off the CPU, where a cut is rarely used
+# since a wide verify costs about one step, and in `draft_length` when the caller gives none). On a CPU the cheapest
+# verify width above one token depends on the BLAS: on one 2-core machine 2 and 3 new tokens cost more than 5
+# (SmolLM2 with a 300-token cache, medians of 12: 42 / 65 / 80 / 62 / 58 ms for 1-5 new tokens), on another 2 and 3
+# are the cheap ones (42 / 47 / 53 / 69 / 71 ms), so there it is measured (`min_drafts_for`).
 FALLBACK_MIN_DRAFTS = 4
-_MEASURED_MIN_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {kind: drafts}
-_MEASURED_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(kind, batch, width): seconds}
 
 
 def min_drafts_for(target: nn.Module, forward=None) -> int:
-    """The fewest drafts a confidence cut verifies with `target`: `MIN_DRAFTS` if set, else measured on a CPU.
+    """The fewest drafts a confidence cut verifies with `target`: measured on a CPU, else `FALLBACK_MIN_DRAFTS`.
 
-    The measurement (once per model and forward path, `forward.kind`; ~2 s for SmolLM2-135M on 2 cores) times
-    forwards of 2-8 new tokens through `forward` (the verifies' own, default the target's) and keeps one less
-    (the anchor is verified too) than the widest that costs at most 10% more than the cheapest.
+    The measurement (~2 s for SmolLM2-135M on 2 cores) times forwards of 2-8 new tokens through `forward` (the
+    verifies' own, default the target's) and keeps one less (the anchor is verified too) than the widest that costs
+    at most 10% more than the cheapest. Callers keep the answer (the engine's `Plan`, the assistant's session cut).
     """
-    if MIN_DRAFTS is not None:
-        return MIN_DRAFTS
     if next(target.parameters()).device.type != "cpu":
         return FALLBACK_MIN_DRAFTS
-    known = _MEASURED_MIN_DRAFTS.setdefault(target, {})
-    kind = getattr(forward, "kind", "model")
-    if kind not in known:
-        known[kind] = cheap_verify_width(target, forward=forward) - 1
-    return known[kind]
+    return cheap_verify_width(target, forward=forward) - 1
 
 
 def cut_minimum(target: nn.Module, draft_confidence: float | str, forward=None) -> int | None:
@@ -159,14 +149,9 @@ def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: 
 
 
 def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1, forward=None) -> dict[int, float]:
-    """`verify_costs` over widths 1..max_width at `batch_size`, measured once per target, batch size and
-    forward path (`forward.kind`; ~3 s for SmolLM2-135M and 16 widths on 2 CPU cores)."""
-    known = _MEASURED_COSTS.setdefault(target, {})
-    kind = getattr(forward, "kind", "model")
-    if any((kind, batch_size, w) not in known for w in range(1, max_width + 1)):
-        measured = verify_costs(target, range(1, max_width + 1), batch_size=batch_size, forward=forward)
-        known.update({(kind, batch_size, w): s for w, s in measured.items()})
-    return {w: known[(kind, batch_size, w)] for w in range(1, max_width + 1)}
+    """`verify_costs` over widths 1..max_width at `batch_size` (~3 s for SmolLM2-135M and 16 widths on 2 CPU
+    cores); callers keep the answer."""
+    return verify_costs(target, range(1, max_width + 1), batch_size=batch_size, forward=forward)
 
 
 # The cut used when none is given on a CPU: `AUTO`, the throughput cut below. There a 4-token verify of
@@ -198,7 +183,7 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     The confidence of draft k is the top probability of its distribution q_k, a property of q_k and not of
     the token drawn from it, so the cut is decided before each draft is seen and speculative sampling
     stays lossless. The product c_1..c_k estimates the chance that drafts 1..k are all accepted. At least
-    `minimum` drafts are kept (`min_drafts_for(target, forward)`; if None, `MIN_DRAFTS` or else `FALLBACK_MIN_DRAFTS`);
+    `minimum` drafts are kept (`min_drafts_for(target, forward)`; if None, `FALLBACK_MIN_DRAFTS`);
     rows share the block width, so the widest active row decides.
 
     Example: confidences [0.9, 0.8, 0.6, 0.9, 0.9], threshold 0.5 -> cumulative [0.9, 0.72, 0.43, ...]
@@ -211,7 +196,7 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     lengths = confident.int().cumprod(-1).sum(-1)  # the run is a prefix, so this is its length
     longest = int(lengths.max()) if lengths.numel() else k
     if minimum is None:
-        minimum = FALLBACK_MIN_DRAFTS if MIN_DRAFTS is None else MIN_DRAFTS
+        minimum = FALLBACK_MIN_DRAFTS
     return min(k, max(minimum, 1, longest))
 
 
@@ -260,8 +245,8 @@ class DraftCut:
     @classmethod
     def for_target(cls, target: nn.Module, draft_confidence: float | str, block_size: int,
                    batch_size: int = 1, forward=None) -> "DraftCut":
-        """The cut for a resolved `draft_confidence` (`resolve_draft_confidence`); measures what it needs once per
-        target (verifies run `forward`, default the target's own), so call it before tap hooks are installed."""
+        """The cut for a resolved `draft_confidence` (`resolve_draft_confidence`), measuring what it needs (verifies
+        run `forward`, default the target's own); call it before tap hooks are installed."""
         if draft_confidence == AUTO:
             return cls(costs=verify_costs_for(target, block_size, batch_size, forward))
         return cls(draft_confidence, cut_minimum(target, draft_confidence, forward))
@@ -280,14 +265,12 @@ class DScaleCandidateGenerator(CandidateGenerator):
     (`TapRecorder`), so the generator needs nothing from the verify loop but the ids.
     """
 
-    def __init__(self, drafter, generation_config=None, logits_processor=None):
-        self.drafter = drafter
+    def __init__(self, drafter, cut: DraftCut, generation_config=None, logits_processor=None):
+        self.drafter, self.cut = drafter, cut
         # Held weakly: the copy belongs to transformers' assisted generator and is freed when its generate() ends.
         self._generation_config = None if generation_config is None else weakref.ref(generation_config)
         self.do_sample = bool(getattr(generation_config, "do_sample", False))
         self.logits_processor = logits_processor
-        confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
-        self.cut = DraftCut.for_target(drafter.target, confidence, drafter.config.block_size)  # before the hooks
         self.draft_seconds, self.blocks = 0.0, 0  # drafting time per block: the throughput cut's overhead
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
         self.cache = DraftContextCache(drafter.config.num_hidden_layers)
@@ -422,11 +405,25 @@ def _session(drafter, generation_config, logits_processor) -> DScaleCandidateGen
             "could not find the calling target. Call it through the target, or bind one with "
             "`drafter.bind_target(target)`."
         )
-    session = DScaleCandidateGenerator(drafter, generation_config, logits_processor)
+    session = DScaleCandidateGenerator(drafter, session_cut(drafter), generation_config, logits_processor)
     drafter._assist = session
     if generation_config is not None:  # freed when the target's generate() returns: remove the hooks then
         weakref.finalize(generation_config, _end_session, drafter, session)
     return session
+
+
+def session_cut(drafter) -> DraftCut:
+    """How much of each block the assistant proposes: `drafter.plan.cut()` when a plan is set (hf_dscale's
+    `hf_dscale.engine.calibrate`), else the cut for `drafter.draft_confidence` on the bound target, measured once per
+    target and kept on the drafter (before the tap hooks are installed)."""
+    plan = getattr(drafter, "plan", None)
+    if plan is not None:
+        return plan.cut()
+    confidence = resolve_draft_confidence(drafter.draft_confidence, drafter.norm.weight.device)
+    known = drafter.__dict__.setdefault("_assist_cuts", weakref.WeakKeyDictionary()).setdefault(drafter.target, {})
+    if confidence not in known:
+        known[confidence] = DraftCut.for_target(drafter.target, confidence, drafter.config.block_size)
+    return known[confidence]
 
 
 def _end_session(drafter, session: "DScaleCandidateGenerator") -> None:

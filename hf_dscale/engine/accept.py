@@ -1,0 +1,82 @@
+"""Accept (stage 3): walk each row's verified tree with the target's tokens; a chain is a one-path tree.
+
+Vocabulary as in `generation/acceptance.py` (arXiv 2211.17192): the target accepts a prefix of a path's drafts
+(`num_accepted`), then emits a recovered token at the first rejection or a bonus token after the last draft; the
+row's output tokens are the accepted drafts plus that one token. p is the target's distribution, q the drafter's.
+
+Two rules, both exact for greedy decoding and lossless for sampling:
+* a **sampled chain** (one path whose drafts were drawn from q): speculative sampling's rejection rule,
+  accept d_k with probability min(1, p_k(d_k) / q_k(d_k)), recover from norm(max(p_k - q_k, 0));
+* any **tree** (or a greedy chain): "sample, then match" (`walk_tree`): draw the target's token after the current
+  node from p (its argmax when greedy), move to the child holding it, stop at the first token no child holds.
+
+Without logits processors every node's token is drawn at once for the whole batch and read back with one host
+synchronisation; processors depend on the path, so with them the walk applies them node by node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..generation.acceptance import speculative_accept
+from ..generation.tree import walk_tree
+from .state import Rows, Verify, Walk
+
+
+def accept(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_sample: bool,
+           q_logits: torch.Tensor | None, active: list[bool]) -> list[Walk | None]:
+    """One `Walk` per row (None for a row already finished).
+
+    logits [B, N, V]: the target's logits after each node; q_logits [B, N-1, V]: the processed q a sampled chain's
+    drafts were drawn from (None for greedy drafts and trees).
+    """
+    logits = logits.float()
+    if q_logits is not None:
+        return _sampled_chain(verify, logits, rows, processors, q_logits, active)
+    if not processors:
+        if do_sample:
+            b, n, v = logits.shape
+            picks = torch.multinomial(logits.softmax(-1).view(b * n, v), 1).view(b, n)
+        else:
+            picks = logits.argmax(-1)
+        picks = picks.tolist()  # the cycle's one host synchronisation for the target's tokens
+        walks = []
+        for b, tree in enumerate(verify.trees):
+            if not active[b]:
+                walks.append(None)
+                continue
+            tokens, path = walk_tree(tree, lambda node, b=b: picks[b][node])
+            walks.append(Walk(tokens, path, logits[b, path]))
+        return walks
+    return [_processed_walk(verify, logits, rows, processors, do_sample, b) if active[b] else None
+            for b in range(len(verify.trees))]
+
+
+def _processed_walk(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_sample: bool, b: int) -> Walk:
+    """The walk of row b with `generate()`'s logits processors applied at each node to the row + the node's path."""
+    tree, apply, scores = verify.trees[b], rows.processors_for(processors, b), []
+
+    def choose(node: int) -> int:
+        row = apply(rows.sequence(b, tree.path(node)), logits[b, node][None])
+        scores.append(row[0])
+        return int(torch.multinomial(row[0].softmax(-1), 1)) if do_sample else int(row[0].argmax())
+
+    tokens, path = walk_tree(tree, choose)
+    return Walk(tokens, path, torch.stack(scores))
+
+
+def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Rows, processors, q_logits: torch.Tensor,
+                   active: list[bool]) -> list[Walk | None]:
+    """Speculative sampling over a batch of chains of one length: processed p at every node, then the rule."""
+    drafts = verify.ids[:, 1:]  # [B, K]
+    if processors:
+        logits = logits.clone()
+        for b in range(logits.shape[0]):
+            apply = rows.processors_for(processors, b)
+            for k in range(logits.shape[1]):
+                logits[b, k] = apply(rows.sequence(b, drafts[b, :k]), logits[b, k][None])[0]
+    num_accepted, output_ids = speculative_accept(drafts, q_logits.softmax(-1), logits.softmax(-1))
+    walks = []
+    for b, (n, output) in enumerate(zip(num_accepted.tolist(), output_ids.tolist())):
+        walks.append(Walk(output[: n + 1], list(range(n + 1)), logits[b, : n + 1]) if active[b] else None)
+    return walks

@@ -1,0 +1,336 @@
+"""The decode engine: one loop for every speculative method, batch size >= 1.
+
+    prefill -> while a row runs: draft -> trees -> verify -> accept -> commit
+
+* **draft**: the block drafter proposes a block per row in one pass (`proposers.Draft`).
+* **trees**: each row's candidate paths (the chain, the drafter's own runner-ups, a VP drafter's branches, the
+  prompt lookup), as a `TokenTree`; a chain is a one-path tree. How wide, and which method, the `Plan` says.
+* **verify**: one target forward over every row's nodes, padded to the widest tree, with each node at position
+  anchor + depth and an ancestor-only mask (a batch of equal chains takes a plain padding mask).
+* **accept**: the target walks each tree (`accept.py`).
+* **commit**: each row's accepted path keeps its K/V, packed by index after the cache's columns; the rest is
+  cropped. Rows advance at different speeds, so the cache is a rectangle of *columns* with holes: a row whose
+  path is shorter than the longest leaves masked columns. Position ids count only a row's valid tokens, so every
+  row sees exactly the sequence plain `generate()` would feed it, and the drafters' context caches mirror the same
+  columns. Targets with sliding-window layers get their masks by position (`generation/masks.py`).
+
+Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..generation.lookup import PromptLookup
+from ..generation.masks import TargetAttention, column_positions
+from ..generation.tree import TokenTree
+from ..generation.types import DecodeStats
+from ..kernels.hf_attention import register as register_tree_attention
+from ..kernels.tree_attention import triton_usable
+from ..models.dscale import compat
+from ..models.dscale.assistant import AUTO, TapRecorder, choose_tokens
+from ..models.dscale.modeling_dscale import DraftContextCache
+from . import proposers
+from .accept import accept
+from .plan import Plan, plan_for
+from .state import Rows, Verify, Walk, lay_out
+
+
+class Engine:
+    """The loop's fixed parts (models, plan, caches, processors) and its moving state (columns, anchors)."""
+
+    def __init__(self, target, drafter, plan: Plan, rows: Rows, *, vp_drafter=None, processors=None, criteria=None,
+                 do_sample: bool = False, streamer=None, cache=None):
+        self.target, self.drafter, self.vp_drafter, self.plan, self.rows = target, drafter, vp_drafter, plan, rows
+        self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
+        self.forward, self.cut = plan.forward(target), plan.cut()
+        self.attention = TargetAttention.of(target)
+        if self.attention.sliding:  # crops and tree paths need every position; the masks apply the window
+            cache = compat.new_cache(target, full=True)
+        self.cache = cache if cache is not None else compat.new_cache(target)
+        layer_ids = sorted(set(drafter.config.target_layer_ids)
+                           | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
+        self.recorder = TapRecorder(target, layer_ids)
+        self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
+        self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
+        if vp_drafter is not None:
+            self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
+            self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
+        self.stats = DecodeStats(plan=plan)
+        self.overhead_s = 0.0  # drafting and bookkeeping of the cycles so far: what the throughput cut adds to a verify
+        # Moving state, set by prefill: valid [B, C] over cache columns; each row's anchor (last committed token, not
+        # yet run through the target) and its position [B]; the taps [B, S, T, H] the drafters have not ingested yet
+        # and their positions [B, S]; the draft vocabularies (`DraftVocab`) and each row's prompt lookup.
+        self.valid = self.anchors = self.anchor_pos = self.taps = self.ctx_pos = None
+        self.holes = False  # whether some column is masked (padding or a rejected node): drafters then take `valid`
+        self.vocab = self.vp_vocab = None
+        self.lookups: list[PromptLookup | None] = [None] * rows.prompt.shape[0]
+        self.proposals: list[tuple[list[int], int]] = [([], 0)] * rows.prompt.shape[0]
+
+    @property
+    def active(self) -> list[bool]:
+        return [not f for f in self.rows.finished]
+
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """The prompt through the target; the first token; the drafters' context = the prompt's taps."""
+        t0 = time.perf_counter()
+        positions = column_positions(valid)
+        mask = valid.long()
+        if self.attention.sliding:
+            causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
+            mask = self.attention.masks(valid[:, None, :] & causal, positions, positions, self.target.dtype)
+        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                          use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
+        logits = out.logits[:, -1].float()  # [B, V]
+        if self.processors:
+            logits = torch.cat([self.rows.processors_for(self.processors, b)(self.rows.sequence(b), logits[b : b + 1])
+                                for b in range(logits.shape[0])])
+        first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
+        for b, token in enumerate(first.tolist()):
+            self.rows.commit(b, [token], logits[b : b + 1], self.criteria)
+        if self.streamer is not None:
+            self.streamer.put(input_ids.cpu())
+            self.streamer.put(first.cpu())
+        context = torch.cat((input_ids, first[:, None]), dim=1)
+        self.vocab = self.drafter.draft_vocab_for(context)
+        if self.vp_drafter is not None:
+            self.vp_vocab = self.vp_drafter.draft_vocab_for(context)
+        if self.plan.prompt_lookup:
+            self.lookups = [PromptLookup(input_ids[b][valid[b]].tolist() + self.rows.generated[b])
+                            for b in range(input_ids.shape[0])]
+        self.valid, self.anchors, self.anchor_pos = valid, first, valid.sum(-1)
+        self.taps, self.ctx_pos = self.recorder.taps(), positions
+        self.holes = not bool(valid.all())
+        self.stats.other_s += time.perf_counter() - t0
+
+    def cycle(self) -> None:
+        """Draft, build each row's tree, verify every row in one target forward, accept, commit."""
+        t0 = time.perf_counter()
+        draft = self.draft()
+        trees = self.trees(draft)
+        t1 = time.perf_counter()
+        verify = Verify.of(trees, self.anchor_pos)
+        logits = self.verify(verify)
+        t2 = time.perf_counter()
+        q = None if draft.q_logits is None else draft.q_logits[:, : logits.shape[1] - 1]
+        walks = accept(verify, logits, self.rows, self.processors, self.do_sample, q, self.active)
+        self.commit(verify, walks)
+        t3 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        self.stats.other_s += t3 - t2
+        self.overhead_s += (t1 - t0) + (t3 - t2)
+
+    # ----------------------------------------------------------------------------------------------- stages
+    def draft(self) -> proposers.Draft:
+        """The block drafter's block for every row. A tree's spine is greedy (its logits over the draft vocabulary's
+        columns suffice); a sampled chain draws its drafts under the processors and keeps that q."""
+        sampled_chain = not self.plan.tree and (self.do_sample or bool(self.processors))
+        logits = self.drafter.draft_logits(self.anchors[:, None], self.taps[:, :, self.tap_index], self.anchor_pos,
+                                           self.ctx_pos, self.dcache, self.valid if self.holes else None, self.vocab,
+                                           compact=not sampled_chain)
+        if sampled_chain:
+            picked = [choose_tokens(logits[b : b + 1], self.rows.sequence(b),
+                                    self.rows.processors_for(self.processors, b), self.do_sample)
+                      for b in range(logits.shape[0])]
+            spine, q = torch.cat([t for t, _ in picked]), torch.cat([s for _, s in picked])
+            return proposers.Draft(spine, q.softmax(-1).amax(-1), q, None, q)
+        logits = logits.float()
+        confidences, spine = logits.softmax(-1).max(-1)
+        columns = None if self.vocab is None else self.vocab.ids
+        return proposers.Draft(spine if columns is None else columns[spine], confidences, logits, columns)
+
+    def trees(self, draft: proposers.Draft) -> list[TokenTree]:
+        """Each row's candidate paths as a token tree (a finished row: its anchor alone)."""
+        active, anchors = self.active, self.anchors.tolist()
+        overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
+        plan, k = self.plan, self.plan.num_branches
+        if not plan.tree:  # one length for every row, so the batch verifies as plain chains
+            n = self.cut.length(draft.logits, active, overhead)
+            return [TokenTree.from_candidates(a, [draft.spine[b, :n].tolist()]) for b, a in enumerate(anchors)]
+        sized = plan.draft_confidence == AUTO and self.vp_drafter is None
+        depth = draft.spine.shape[1] if sized else self.cut.length(draft.logits, active)
+        vp = self.vp_branches(draft, depth) if self.vp_drafter is not None else None
+        trees = []
+        for b, anchor in enumerate(anchors):
+            if not active[b]:
+                trees.append(TokenTree([anchor], [-1], [0], [{}]))
+                continue
+            extra, self.proposals[b] = proposers.lookup_paths(self.lookups[b], depth)
+            if vp is None:
+                paths = proposers.own_tree_paths(draft, b, depth, k) + extra
+            else:
+                paths = proposers.vp_paths(draft, b, depth, vp[0][b], vp[1][b], k, plan.branch_policy, vp[2]) + extra
+            chosen = proposers.select_nodes(paths, plan.verify_costs if sized else None, overhead)
+            trees.append(TokenTree.from_candidates(anchor, chosen))
+        return trees
+
+    def vp_branches(self, draft: proposers.Draft, depth: int):
+        """D²SD: the VP drafter re-drafts every row from its `m` likeliest rejection boundaries in one batched pass.
+        Returns (prefixes per row, vp logits [B, m, K, V or |columns|], columns)."""
+        b = draft.spine.shape[0]
+        prefixes = [proposers.top_prefixes(draft.confidences[i, :depth], self.plan.num_branches) for i in range(b)]
+        m, gamma = len(prefixes[0]), self.drafter.config.block_size
+        rows = draft.spine.new_full((b, m, gamma), self.vp_drafter.config.mask_token_id)
+        rows[:, :, 0] = self.anchors[:, None]
+        for i in range(b):
+            for j, p in enumerate(prefixes[i]):
+                rows[i, j, 1 : p + 1] = draft.spine[i, :p]
+        columns = None if self.vp_vocab is None else self.vp_vocab.ids
+        vp_logits = self.vp_drafter.block_logits(rows.view(b * m, gamma), self.anchor_pos.repeat_interleave(m),
+                                                 self.taps[:, :, self.vp_tap_index], self.ctx_pos, self.vp_cache,
+                                                 self.valid if self.holes else None, self.vp_vocab,
+                                                 compact=columns is not None).float()
+        return prefixes, vp_logits.view(b, m, *vp_logits.shape[1:]), columns
+
+    def verify(self, verify: Verify) -> torch.Tensor:
+        """The target's logits [B, N, V] after every node of every row's tree."""
+        n = verify.ids.shape[1]
+        if verify.allowed is None and not self.attention.sliding:
+            mask = torch.cat((self.valid, self.valid.new_ones(self.valid.shape[0], n)), dim=1).long()
+        else:
+            allowed = verify.allowed
+            if allowed is None:
+                allowed = torch.ones(n, n, dtype=torch.bool, device=verify.ids.device).tril()
+            mask = self.attention.after_cache(self.valid, verify.positions, allowed, self.target.dtype)
+        return self.forward(self.cache, input_ids=verify.ids, attention_mask=mask, position_ids=verify.positions,
+                            use_cache=True)
+
+    def commit(self, verify: Verify, walks: list[Walk | None]) -> None:
+        """Append each row's tokens (until a stopping criterion fires); keep the accepted paths' K/V and taps."""
+        start, device = self.valid.shape[1], self.valid.device
+        width = max(len(w.path) for w in walks if w is not None)
+        index = torch.zeros(len(walks), width, dtype=torch.long)
+        new_valid = torch.zeros(len(walks), width, dtype=torch.bool)
+        anchors, advance = self.anchors.tolist(), [0] * len(walks)
+        for b, walk in enumerate(walks):
+            if walk is None:
+                continue
+            committed = self.rows.commit(b, walk.tokens, walk.scores, self.criteria)
+            self.stats.committed.append(committed)
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor(walk.tokens[:committed]))
+            if self.lookups[b] is not None:
+                self.lookups[b].record(*self.proposals[b], walk.tokens)
+                self.lookups[b].extend(walk.tokens[:committed])
+            for vocab in (self.vocab, self.vp_vocab):
+                if vocab is not None:
+                    vocab.add(torch.tensor(walk.tokens[:committed], device=device))
+            index[b, : len(walk.path)] = torch.tensor(walk.path)
+            new_valid[b, : len(walk.path)] = True
+            anchors[b], advance[b] = walk.tokens[-1], len(walk.path)
+        index, new_valid = index.to(device), new_valid.to(device)
+        if any(w is not None and w.path != list(range(len(w.path))) for w in walks):
+            compat.keep_paths(self.cache, start, index)
+        compat.crop_to(self.cache, start + width)
+        self.valid = torch.cat((self.valid, new_valid), dim=1)
+        self.holes = self.holes or not all(w is not None and len(w.path) == width for w in walks)
+        taps = self.recorder.taps()  # [B, N, T, H]
+        self.taps = taps.gather(1, index[:, :, None, None].expand(-1, -1, *taps.shape[2:]))
+        self.ctx_pos = self.anchor_pos[:, None] + torch.arange(width, device=device)
+        self.anchors = self.anchors.new_tensor(anchors)
+        self.anchor_pos = self.anchor_pos + torch.tensor(advance, device=device)
+        self.stats.cycles += 1
+        self.stats.verified.append(verify.ids.shape[1])
+
+
+def _check_inputs(target, drafter, vp_drafter, input_ids, streamer, plan: Plan) -> None:
+    if input_ids.shape[0] > 1 and streamer is not None:
+        raise ValueError("Streamers support batch size 1 only.")
+    if vp_drafter is not None:
+        if vp_drafter.config.block_size != drafter.config.block_size:
+            raise ValueError(
+                f"The VP drafter's block_size ({vp_drafter.config.block_size}) differs from the first drafter's "
+                f"({drafter.config.block_size}); D²SD verifies branches of the first drafter's width.")
+        if vp_drafter.config.mask_token_id is None:
+            raise ValueError("The VP drafter has no mask_token_id; set it in its config.")
+    attn = compat.attention_implementation(target)
+    if plan.tree and (attn.startswith("flash") or attn == "flex_attention"):
+        raise ValueError(
+            f"D²SD and draft_tree verify a token tree with a 4D attention mask, which the target's attn_implementation "
+            f"{attn!r} does not take: load the target with attn_implementation='sdpa' (or 'eager'), or decode a chain "
+            "(draft_tree=False).")
+
+
+@torch.no_grad()
+def decode(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,  # [B, P], left-padded
+    attention_mask: torch.LongTensor | None = None,  # [B, P]
+    *,
+    vp_drafter=None,
+    plan: Plan | None = None,
+    logits_processor=None,
+    stopping_criteria=None,
+    do_sample: bool = False,
+    pad_token_id: int = 0,
+    cache=None,
+    streamer=None,
+    tree_kernel: bool | None = None,
+    **options,
+) -> tuple[torch.LongTensor, DecodeStats]:
+    """Speculative decoding until every row meets a stopping criterion: sequences [B, P + N] and stats.
+
+    Exact for greedy decoding, lossless for sampling. `plan`: how to decode (`calibrate`); without one, the plan for
+    this target, batch size and `options` (`tree`, `prompt_lookup`, `num_branches`, `branch_policy`,
+    `draft_confidence`; see `calibrate`) is measured once and kept on the drafter (`plan_for`). It is returned in
+    `stats.plan`. Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `tree_kernel`
+    runs the target's attention with the Triton cascade kernel during the call (default: on CUDA when Triton is
+    installed and the plan verifies trees).
+    """
+    if plan is not None and any(value is not None for value in options.values()):
+        raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")
+    for model in (drafter, vp_drafter):
+        if model is not None and model.target is not target:
+            model.bind_target(target)
+    if plan is None:
+        options = {name: value for name, value in options.items() if value is not None}
+        plan = plan_for(target, drafter, vp_drafter=vp_drafter, batch_size=input_ids.shape[0], do_sample=do_sample,
+                        **options)
+    _check_inputs(target, drafter, vp_drafter, input_ids, streamer, plan)
+    attn = compat.attention_implementation(target)
+    if tree_kernel is None:
+        tree_kernel = plan.tree and input_ids.device.type == "cuda" and triton_usable(input_ids.device) and \
+            attn in ("sdpa", "eager")
+    valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
+    rows = Rows.start(input_ids)
+    engine = Engine(target, drafter, plan, rows, vp_drafter=vp_drafter, processors=logits_processor,
+                    criteria=stopping_criteria, do_sample=do_sample, streamer=streamer, cache=cache)
+    if tree_kernel:
+        target.set_attn_implementation(register_tree_attention())
+    try:
+        engine.prefill(input_ids, valid)
+        while not all(rows.finished):
+            engine.cycle()
+    finally:
+        engine.recorder.remove()
+        if tree_kernel:
+            target.set_attn_implementation(attn)
+        if streamer is not None:
+            streamer.end()
+    return lay_out(input_ids, rows.generated, pad_token_id), engine.stats
+
+
+def speculative_generate(target, drafter, input_ids, attention_mask=None, logits_processor=None,
+                         stopping_criteria=None, do_sample: bool = False, pad_token_id: int = 0, cache=None,
+                         streamer=None, draft_confidence: float | str | None = None, plan: Plan | None = None):
+    """`decode` with the block drafter's chain (a one-path tree per row)."""
+    return decode(target, drafter, input_ids, attention_mask, plan=plan, logits_processor=logits_processor,
+                  stopping_criteria=stopping_criteria, do_sample=do_sample, pad_token_id=pad_token_id, cache=cache,
+                  streamer=streamer, **({} if plan is not None else {"tree": False,
+                                                                     "draft_confidence": draft_confidence}))
+
+
+def tree_generate(target, drafter, vp_drafter, input_ids, attention_mask=None, logits_processor=None,
+                  stopping_criteria=None, do_sample: bool = False, pad_token_id: int = 0, cache=None, streamer=None,
+                  num_branches: int = 4, branch_policy: str = "ranked", tree_kernel: bool | None = None,
+                  draft_confidence: float | str | None = None, prompt_lookup: bool = False, plan: Plan | None = None):
+    """`decode` with token trees: D²SD with `vp_drafter`, else the drafter's own runner-up tree."""
+    options = {} if plan is not None else dict(tree=True, num_branches=num_branches, branch_policy=branch_policy,
+                                               draft_confidence=draft_confidence, prompt_lookup=prompt_lookup)
+    return decode(target, drafter, input_ids, attention_mask, vp_drafter=vp_drafter, plan=plan,
+                  logits_processor=logits_processor, stopping_criteria=stopping_criteria, do_sample=do_sample,
+                  pad_token_id=pad_token_id, cache=cache, streamer=streamer, tree_kernel=tree_kernel, **options)

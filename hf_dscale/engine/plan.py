@@ -1,0 +1,165 @@
+"""Every decision of the decode engine that is measured or chosen, made once, in one place: `calibrate() -> Plan`.
+
+A speculative cycle's best shape depends on the hardware: on a CPU a verify of 16 tokens costs about twice one of
+a single token, on a GPU about the same, so how much of a block to verify, how big a token tree may grow and
+whether the LM head is applied in the transposed layout (`target_forward.py`) are measured, not guessed. The Plan
+holds the answers and the reasons; the engine only reads it. It is returned in `DecodeStats.plan` and written into
+`hf-dscale bench` reports, and a caller may build one (or `dataclasses.replace` a calibrated one) and pass it in.
+
+Method choice (what a call with no method options gets): greedy decoding verifies the drafter's *own tree* sized
+for throughput with a prompt-lookup path. Sized by the measured verify costs, that tree is the plain chain whenever
+no branch pays for its width, so it is never slower than the chain by construction of the cut, and on the SmolLM2
+benchmarks it is the fastest of the methods on a CPU (`hf-dscale bench --peers`). Sampling verifies a chain:
+speculative sampling's rejection rule accepts a sampled chain's drafts more often than a tree's "sample, then
+match" accepts a fixed tree's, and a sampled draft is what the rule needs. A second (variable-prefix) drafter means
+D²SD.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ..generation import target_forward
+from ..models.dscale import assistant
+from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence
+
+BRANCH_POLICIES = ("vp", "distinct", "ranked")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the engine decodes with one target and drafter on one device at one batch size."""
+
+    device: str  # "cpu", "cuda", ...
+    batch_size: int  # rows per verify the costs were measured at
+    tree: bool  # verify a token tree (the drafter's own runner-ups, or a VP drafter's branches) instead of a chain
+    prompt_lookup: bool  # one more tree path: the tokens after the latest earlier match of the sequence's tail
+    num_branches: int  # K: branches a tree may hold
+    branch_policy: str  # D²SD: how the VP drafter's branches leave the spine (`BRANCH_POLICIES`)
+    draft_confidence: float | str  # AUTO: sized for throughput over `verify_costs`; c in (0, 1): confidence cut; 0
+    min_drafts: int | None  # a confidence cut keeps at least this many drafts (None: no confidence cut)
+    transposed: tuple[int, ...] | None  # widths the verify applies the LM head transposed (None: the model's forward)
+    verify_costs: dict[int, float] | None = None  # seconds of a verify of w tokens (anchor included), w = 1..max
+    calibrate_s: float = 0.0  # what measuring cost
+    reasons: tuple[str, ...] = field(default_factory=tuple)  # one line per decision
+
+    @property
+    def max_width(self) -> int | None:
+        """The widest verify the costs cover (a tree's node count is bounded by it)."""
+        return max(self.verify_costs) if self.verify_costs else None
+
+    @property
+    def verify_path(self) -> str:
+        return "model" if self.transposed is None else "split-head"
+
+    def cut(self) -> DraftCut:
+        """The chain's cut (and a D²SD tree's depth) as `DraftCut` reads it."""
+        if self.draft_confidence == AUTO:
+            return DraftCut(costs=dict(self.verify_costs))
+        return DraftCut(float(self.draft_confidence), self.min_drafts)
+
+    def forward(self, target: nn.Module) -> target_forward.TargetForward:
+        """The verify forward this plan chose for `target`."""
+        return target_forward.TargetForward(target, None if self.transposed is None else frozenset(self.transposed))
+
+    def method(self, vp: bool = False) -> str:
+        """The method's name as `hf-dscale bench` reports it."""
+        if vp:
+            return "d2sd"
+        if self.tree:
+            return "dscale-tree+lookup" if self.prompt_lookup else "dscale-tree"
+        return "dscale"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["verify_path"] = self.verify_path
+        out["transposed"] = None if self.transposed is None else list(self.transposed)
+        out["reasons"] = list(self.reasons)
+        if self.verify_costs is not None:
+            out["verify_costs"] = {str(w): round(s, 6) for w, s in self.verify_costs.items()}
+        return out
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | None = None, batch_size: int = 1,
+              do_sample: bool = False, tree: bool | None = None, prompt_lookup: bool | None = None,
+              num_branches: int = 4, branch_policy: str = "ranked",
+              draft_confidence: float | str | None = None) -> Plan:
+    """Measure what the engine needs on `target`'s device and choose the method: a Plan.
+
+    Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
+    `Plan.reasons`. Measuring costs a few seconds on a small CPU (~3 s for SmolLM2-135M on 2 cores) and
+    milliseconds for tiny models; `plan_for` keeps one per target, batch size and options on the drafter.
+    """
+    if branch_policy not in BRANCH_POLICIES:
+        raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
+    if num_branches < 1:
+        raise ValueError(f"num_branches must be at least 1, got {num_branches}.")
+    start = time.perf_counter()
+    device = _device(target)
+    reasons = []
+    if vp_drafter is not None:
+        tree, lookup_default = True, False
+        reasons.append("tree: a VP drafter was given (D²SD)")
+    elif tree is None:
+        tree, lookup_default = not do_sample, not do_sample
+        reasons.append("tree: the own tree sized by verify costs (a chain where no branch pays)" if tree else
+                       "chain: sampling, whose rejection rule accepts a sampled chain best")
+    else:
+        lookup_default = False  # a method given is kept as given
+        reasons.append(f"{'tree' if tree else 'chain'}: given")
+    if prompt_lookup is None:
+        prompt_lookup = lookup_default and tree
+    elif prompt_lookup and not tree:
+        raise ValueError("prompt_lookup adds a path to a token tree: pass draft_tree=True as well (or a vp_drafter).")
+
+    confidence = resolve_draft_confidence(draft_confidence, device)
+    if draft_confidence is None and tree and vp_drafter is None:
+        confidence = AUTO  # the own tree is sized for throughput on every device
+    if confidence == AUTO and vp_drafter is not None:
+        confidence = CPU_DRAFT_CONFIDENCE  # a D²SD tree's width is not a chain's; its depth is cut by confidence
+        reasons.append(f"draft_confidence {CPU_DRAFT_CONFIDENCE}: D²SD trees cut at that cumulative confidence")
+
+    block = drafter.config.block_size
+    max_width = block if device.type == "cpu" or not tree else 2 * block
+    transposed = None
+    if target_forward.splittable(target):
+        faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),
+                                                   batch_size)
+        transposed = tuple(sorted(faster)) or None
+    reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
+                   "verify with the target's own forward")
+    forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
+    costs = minimum = None
+    if confidence == AUTO:
+        costs = assistant.verify_costs_for(target, max_width, batch_size, forward)
+        reasons.append(f"draft_confidence auto: verify widths chosen each cycle from the costs of 1..{max_width} "
+                       f"tokens at batch {batch_size}")
+    elif confidence > 0:
+        minimum = assistant.min_drafts_for(target, forward)
+        reasons.append(f"draft_confidence {confidence}: at least {minimum} drafts (the widest cheap verify)")
+    return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
+                num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
+                min_drafts=minimum, transposed=transposed, verify_costs=costs,
+                calibrate_s=time.perf_counter() - start, reasons=tuple(reasons))
+
+
+def plan_for(target: nn.Module, drafter: nn.Module, **options) -> Plan:
+    """`calibrate(target, drafter, **options)`, measured once per target and options and kept on the drafter (its
+    `_plans`, held weakly by target), so that repeated `generate()` calls do not measure again."""
+    plans = drafter.__dict__.setdefault("_plans", weakref.WeakKeyDictionary())
+    known = plans.setdefault(target, {})
+    key = tuple(sorted((name, id(value) if isinstance(value, nn.Module) else value)
+                       for name, value in options.items()))
+    if key not in known:
+        known[key] = calibrate(target, drafter, **options)
+    return known[key]

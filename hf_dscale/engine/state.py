@@ -1,0 +1,115 @@
+"""The engine's typed state: the rows as `generate()` sees them, and what each stage of a cycle hands the next.
+
+A cycle is draft (`proposers.Draft`) -> trees (one `TokenTree` per row; a chain is a one-path tree) -> `Verify`
+(one target forward over every row's nodes) -> `Walk` per row (accept) -> commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..generation.tree import TokenTree
+
+
+def lay_out(input_ids: torch.Tensor, generated, pad_token_id: int) -> torch.Tensor:
+    """Sequences as plain `generate()` returns them: each (left-padded) prompt row, its generated tokens
+    (a list or tensor per row), then `pad_token_id` up to the longest row."""
+    b, p = input_ids.shape
+    out = input_ids.new_full((b, p + max(len(g) for g in generated)), pad_token_id)
+    out[:, :p] = input_ids
+    for i, g in enumerate(generated):
+        out[i, p : p + len(g)] = torch.as_tensor(g, dtype=input_ids.dtype, device=input_ids.device)
+    return out
+
+
+class _ForRow:
+    """`generate()`'s logits processors applied to row `row` of a batch of `batch` rows.
+
+    Some processors keep per-row state (repetition penalty ignores each row's left padding through a
+    [batch] tensor), so they are called on `batch` copies of the row and row `row` is read back.
+    Iterable as a one-element list, as `choose_tokens` expects.
+    """
+
+    def __init__(self, processors, row: int, batch: int):
+        self.processors, self.row, self.batch = processors, row, batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.batch == 1:
+            return self.processors(input_ids, scores)
+        out = self.processors(input_ids.expand(self.batch, -1), scores.expand(self.batch, -1).clone())
+        return out[self.row : self.row + 1]
+
+    def __iter__(self):
+        yield self
+
+
+@dataclass
+class Rows:
+    """The B rows as plain `generate()` lays them out (left-padded prompt + committed tokens), and their stopping."""
+
+    prompt: torch.Tensor  # [B, P] left-padded prompt, as given
+    generated: list[list[int]]  # tokens committed per row
+    finished: list[bool]
+
+    @classmethod
+    def start(cls, prompt: torch.Tensor) -> "Rows":
+        b = prompt.shape[0]
+        return cls(prompt, [[] for _ in range(b)], [False] * b)
+
+    def sequence(self, b: int, extra: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """Row b as plain generate() sees it: [1, P + generated (+ extra)]."""
+        parts = [self.prompt[b], self.prompt.new_tensor(self.generated[b])]
+        if extra is not None and len(extra):
+            parts.append(torch.as_tensor(extra, dtype=self.prompt.dtype, device=self.prompt.device))
+        return torch.cat(parts)[None]
+
+    def processors_for(self, processors, b: int) -> _ForRow | None:
+        return _ForRow(processors, b, self.prompt.shape[0]) if processors else None
+
+    def commit(self, b: int, tokens: list[int], scores: torch.Tensor, stopping_criteria) -> int:
+        """Append tokens to row b one by one until a stopping criterion fires; returns how many.
+
+        scores [len(tokens), V]: the target's (processed) logits each token was chosen from."""
+        for j, token in enumerate(tokens):
+            self.generated[b].append(token)
+            if stopping_criteria is not None and bool(stopping_criteria(self.sequence(b), scores[j][None])[0]):
+                self.finished[b] = True
+                return j + 1
+        return len(tokens)
+
+
+@dataclass
+class Verify:
+    """One target forward over every row's tree (stage 2), padded to the widest tree with nodes no path reaches."""
+
+    ids: torch.Tensor  # [B, N] node tokens (node 0: the anchor)
+    positions: torch.Tensor  # [B, N] anchor position + depth
+    allowed: torch.Tensor | None  # [B, N, N] bool, node i may see node j (ancestry); None: every row a full chain
+    trees: list[TokenTree]
+
+    @classmethod
+    def of(cls, trees: list[TokenTree], anchor_pos: torch.Tensor) -> "Verify":
+        """Pad the trees to a batch; a chain batch (every tree one path of the same length) needs no tree mask."""
+        n = max(len(tree) for tree in trees)
+        device = anchor_pos.device
+        chain = all(len(tree) == n and tree.depths == list(range(n)) for tree in trees)
+        ids = torch.tensor([tree.tokens + tree.tokens[:1] * (n - len(tree)) for tree in trees], device=device)
+        depths = torch.tensor([tree.depths + [0] * (n - len(tree)) for tree in trees], device=device)
+        allowed = None
+        if not chain:
+            allowed = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding nodes see themselves only
+            for b, tree in enumerate(trees):
+                allowed[b, : len(tree), : len(tree)] = tree.ancestor_mask()
+            allowed = allowed.to(device)
+        return cls(ids, anchor_pos[:, None] + depths, allowed, trees)
+
+
+@dataclass
+class Walk:
+    """One row's outcome of the cycle (stage 3): the target's tokens and the tree nodes they were read at."""
+
+    tokens: list[int]  # the accepted drafts, then the recovered or bonus token
+    path: list[int]  # nodes of the accepted path, starting with the anchor (node 0); len(path) == len(tokens)
+    scores: torch.Tensor  # [len(tokens), V] the target's logits each token was chosen from (processed if any)

@@ -1,0 +1,148 @@
+"""The engine's own contracts: one loop for every method, batched; the plan made in one place and returned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_dscale.engine import Plan, calibrate, plan_for
+from hf_dscale.engine.proposers import Draft, Path, own_tree_paths, select_nodes
+from hf_dscale.engine.state import Verify
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.generation.tree import TokenTree
+from hf_dscale.models.dscale import assistant, compat
+
+from ..conftest import OracleDrafter, cpu_like_costs, oracle_from, tiny_drafter, tiny_target
+from ..generation.test_exactness import _prompt
+
+
+def _oracle(target, reference, mask, error_rate, seed=0):
+    drafter = tiny_drafter(target, cls=OracleDrafter)
+    drafter.oracle, drafter.error_rate = oracle_from(reference, mask), error_rate
+    torch.manual_seed(seed)
+    return drafter
+
+
+# ------------------------------------------------------------------------------------------------- plan
+def test_calibrate_chooses_the_sized_own_tree_with_lookup_for_greedy_and_a_chain_for_sampling():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    greedy = calibrate(target, drafter)
+    assert (greedy.tree, greedy.prompt_lookup, greedy.draft_confidence) == (True, True, "auto")
+    assert greedy.verify_costs == cpu_like_costs(drafter.config.block_size)  # conftest's table, measured once here
+    assert greedy.transposed == tuple(range(1, drafter.config.block_size + 1))  # conftest: transposed is faster
+    sampling = calibrate(target, drafter, do_sample=True)
+    assert (sampling.tree, sampling.prompt_lookup) == (False, False)
+    given = calibrate(target, drafter, tree=True, draft_confidence=0.3)
+    assert (given.tree, given.prompt_lookup, given.draft_confidence, given.min_drafts) == (True, False, 0.3, 4)
+    assert given.verify_costs is None  # a confidence cut needs no costs: none measured
+    report = json.loads(json.dumps(greedy.to_dict()))
+    assert report["verify_path"] == "split-head" and len(report["reasons"]) >= 3
+    with pytest.raises(ValueError, match="prompt_lookup adds a path"):
+        calibrate(target, drafter, tree=False, prompt_lookup=True)
+
+
+def test_plan_for_measures_once_per_target_and_options(monkeypatch):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    calls = []
+    real = assistant.verify_costs_for
+    monkeypatch.setattr(assistant, "verify_costs_for", lambda *a, **k: calls.append(a) or real(*a, **k))
+    first = plan_for(target, drafter, batch_size=1)
+    assert plan_for(target, drafter, batch_size=1) is first and len(calls) == 1
+    assert plan_for(target, drafter, batch_size=2) is not first and len(calls) == 2  # costs are per batch size
+    other = tiny_target("qwen3")
+    plan_for(other, drafter, batch_size=1)
+    assert len(calls) == 3  # a plan belongs to its target
+
+
+def test_a_given_plan_is_used_and_returned_and_excludes_method_options():
+    target = tiny_target("llama")
+    ids, mask = _prompt(2, 10, 0)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    drafter = _oracle(target, plain, mask, 0.2)
+    plan = Plan(device="cpu", batch_size=2, tree=False, prompt_lookup=False, num_branches=4, branch_policy="ranked",
+                draft_confidence=0.0, min_drafts=None, transposed=None)
+    stats = DecodeStats()
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                           custom_generate=custom_generate, drafter=drafter, plan=plan, dscale_stats=stats)
+    assert torch.equal(plain, spec)
+    assert stats.plan is plan and set(stats.verified) == {drafter.config.block_size}  # whole chains, as planned
+    with pytest.raises(ValueError, match="either a plan or method options"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=custom_generate,
+                        drafter=drafter, plan=plan, draft_tree=True)
+
+
+def test_the_default_method_is_the_plans_choice():
+    target = tiny_target("llama")
+    ids, mask = _prompt(1, 12, 3)
+    plain = target.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
+    drafter = _oracle(target, plain, None, 0.3)
+    stats = DecodeStats()
+    spec = target.generate(input_ids=ids, max_new_tokens=24, do_sample=False, custom_generate=custom_generate,
+                           drafter=drafter, dscale_stats=stats)
+    assert torch.equal(plain, spec)
+    assert stats.plan.tree and stats.plan.prompt_lookup and stats.plan.method() == "dscale-tree+lookup"
+
+
+# ------------------------------------------------------------------------------------------ trees, batched
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("vp", [False, True])
+def test_trees_decode_batched_with_uneven_padding(kind, vp):
+    """Own trees and D²SD decode every row in one verify per cycle (no row-by-row loop), exactly."""
+    target = tiny_target(kind)
+    for seed in range(2):
+        ids, mask = _prompt(4, 14, seed)
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=26, do_sample=False)
+        drafter = _oracle(target, plain, mask, 0.3, seed)
+        kw = dict(vp_drafter=tiny_drafter(target, seed=5)) if vp else dict(draft_tree=True, prompt_lookup=True)
+        stats = DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=26, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, dscale_stats=stats, **kw)
+        assert torch.equal(plain, spec), f"seed {seed}"
+        assert len(stats.committed) > stats.cycles  # several rows committed per cycle: one verify for the batch
+        assert stats.plan.batch_size == 4
+
+
+def test_keep_paths_packs_each_rows_path():
+    cache = compat.new_cache(tiny_target("llama"), full=True)
+    keys = torch.arange(2 * 1 * 7 * 1, dtype=torch.float).view(2, 1, 7, 1)
+    cache.update(keys.clone(), keys.clone(), 0)
+    compat.keep_paths(cache, 3, torch.tensor([[0, 2, 3], [0, 1, 0]]))  # row 0: nodes 0, 2, 3; row 1: 0, 1 (+ a hole)
+    compat.crop_to(cache, 6)
+    got = cache.layers[0].keys[:, 0, :, 0]
+    assert got.tolist() == [[0, 1, 2, 3, 5, 6], [7, 8, 9, 10, 11, 10]]
+
+
+def test_verify_pads_trees_with_nodes_that_see_only_themselves():
+    chain = TokenTree.from_candidates(4, [[5, 6]])
+    tree = TokenTree.from_candidates(4, [[5], [7, 8]])
+    batch = Verify.of([chain, tree], torch.tensor([10, 3]))
+    assert batch.ids.tolist() == [[4, 5, 6, 4], [4, 5, 7, 8]]
+    assert batch.positions.tolist() == [[10, 11, 12, 10], [3, 4, 4, 5]]
+    assert batch.allowed[0, 3].tolist() == [False, False, False, True]
+    assert batch.allowed[1].tolist() == tree.ancestor_mask().tolist()
+    plain = Verify.of([chain, TokenTree.from_candidates(9, [[1, 2]])], torch.tensor([10, 3]))
+    assert plain.allowed is None  # equal chains take a padding mask
+
+
+# --------------------------------------------------------------------------------------------- proposers
+def test_select_nodes_is_the_chain_where_no_branch_pays_and_counts_shared_nodes_once():
+    spine = Path([5, 6], [0.9, 0.45])
+    branch = Path([7], [0.08])
+    assert select_nodes([spine, branch], {1: 9, 2: 10, 3: 11, 4: 16}) == [[5], [5, 6]]
+    assert select_nodes([spine, branch], None) == [[5, 6], [7]]  # unsized: every path whole
+    lookup = Path([5, 6, 2], [0.95, 0.9, 0.8])  # shares the spine's nodes, with better chances
+    chosen = select_nodes([spine, lookup], {w: 10.0 for w in range(1, 6)})
+    assert chosen == [[5], [5, 6], [5, 6, 2]]
+
+
+def test_own_tree_paths_swap_one_runner_up_and_keep_the_spines_later_drafts():
+    logits = torch.tensor([[[3.0, 2.0, -9.0], [-9.0, 3.0, 2.5]]])  # [B=1, K=2, V=3]
+    confidences, spine = logits.softmax(-1).max(-1)
+    paths = own_tree_paths(Draft(spine, confidences, logits), 0, 2, 1)
+    assert [p.tokens for p in paths] == [[0, 1], [0, 2]]  # the best swap: depth 2's runner-up (token 2)
+    c1 = float(confidences[0, 0])
+    assert paths[1].chances == pytest.approx([c1, c1 * float(logits[0, 1].softmax(-1)[2])])
