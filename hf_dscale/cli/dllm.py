@@ -29,14 +29,21 @@ def add_parser(sub) -> None:
 
     b = sub.add_parser("bench-dllm", help="NFE, accuracy and speed of Fast-dLLM or BlockBatch on held-out problems")
     b.add_argument("--model", required=True, help="a DiffusionLM folder (or LLaDA/Dream with its tokenizer)")
-    b.add_argument("--method", required=True, choices=["fast-dllm", "blockbatch"])
+    b.add_argument("--method", required=True, choices=["fast-dllm", "blockbatch", "both"],
+                   help="both: the two methods side by side, interleaved problem by problem (ratios in the report)")
     b.add_argument("--task", default=None, help="default: the task the model was trained on")
     b.add_argument("--seed", type=int, default=1, help="problems are drawn fresh from the held-out split")
     b.add_argument("--limit", type=int, default=100)
     b.add_argument("--gen-length", type=int, default=None, help="default: the model's training gen_length")
     b.add_argument("--block-size", type=int, default=32, help="Fast-dLLM block")
-    b.add_argument("--block-sizes", default=None, help="BlockBatch branches, comma-separated (default: the paper's "
-                   "set, 4,8,16,32,64,128)")
+    b.add_argument("--block-sizes", default=None,
+                   help="BlockBatch branches: comma-separated sizes, or 'paper' for the paper's set "
+                   "(4,8,16,32,64,128); default: planned on this machine from measured step costs (the plan goes "
+                   "into the report)")
+    b.add_argument("--plan-prompts", type=int, default=8,
+                   help="training-split problems the plan decodes to price each branch set (never the held-out ones)")
+    b.add_argument("--min-branches", type=int, default=2,
+                   help="the fewest branches the plan keeps (1 lets it fall back to one block size: Fast-dLLM)")
     b.add_argument("--threshold", type=float, default=0.9)
     b.add_argument("--device", default="auto")
     b.add_argument("--json", default=None)
@@ -88,10 +95,14 @@ def train_main(args) -> int:
 
 
 def bench_main(args) -> int:
+    import sys
+    import time
+
     from tqdm.auto import tqdm
     from transformers import AutoModel, AutoTokenizer
 
     from ..evaluation import bench_dllm
+    from ..generation.dllm import BLOCK_SIZES
     from ..models.dllm import DiffusionModel
     from ..training.dllm_tasks import make_problems
     from .common import describe_machine, emit_report, pick_device
@@ -107,13 +118,115 @@ def bench_main(args) -> int:
         raise ValueError("The model's config names no task: pass --task.")
     gen_length = args.gen_length or getattr(model.config, "gen_length", None) or 256
     problems = make_problems(task, args.limit, seed=args.seed, heldout=True)
-    block_sizes = [int(x) for x in args.block_sizes.split(",")] if args.block_sizes else None  # None: the default
+    plan, plan_seconds = None, None
+    if args.block_sizes == "paper":
+        block_sizes = list(BLOCK_SIZES)
+    elif args.block_sizes:
+        block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    elif args.method == "fast-dllm":
+        block_sizes = None
+    else:
+        start = time.perf_counter()
+        plan = _plan(dlm, tokenizer, task, gen_length, device, args)
+        plan_seconds = time.perf_counter() - start
+        block_sizes = list(plan.block_sizes)
+        print(_describe_plan(plan, plan_seconds), file=sys.stderr)
     bar = tqdm(total=len(problems), desc=f"bench-dllm {args.method}", unit="problem")
-    report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
-                        block_sizes=block_sizes, threshold=args.threshold,
-                        on_problem=lambda i: bar.update(1))
+    if args.method == "both":
+        report = _bench_both(dlm, tokenizer, problems, gen_length, args.block_size, block_sizes, args.threshold,
+                             on_problem=lambda i: bar.update(1))
+    else:
+        report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
+                            block_sizes=block_sizes, threshold=args.threshold, on_problem=lambda i: bar.update(1))
     bar.close()
+    if args.method != "fast-dllm":
+        report["block_sizes"] = block_sizes
+    if plan is not None:
+        report["plan"] = dict(plan.to_dict(), plan_seconds=round(plan_seconds, 3), plan_problems="train split",
+                              min_branches=args.min_branches)
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,
                   device=str(device), machine=describe_machine(device))
     emit_report(report, args.json)
     return 0
+
+
+def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
+    """BlockBatch's branches planned on training-split problems (the held-out ones are what the bench reports)."""
+    from ..generation.dllm import BLOCK_SIZES, plan_blockbatch
+    from ..training.dllm_tasks import make_problems
+    from ..training.dllm_trainer import encode
+
+    # never more calibration problems than the bench decodes: the plan should cost less than what it plans
+    calibration = make_problems(task, min(args.plan_prompts, args.limit), seed=args.seed, heldout=False)
+    prompts = [encode(tokenizer, [p], gen_length, with_answers=False)[0] for p in calibration]
+    candidates = [b for b in BLOCK_SIZES if gen_length % b == 0]
+    return plan_blockbatch(dlm, prompts, gen_length, candidates, device, threshold=args.threshold,
+                           min_branches=min(args.min_branches, len(candidates)))
+
+
+def _describe_plan(plan, seconds: float) -> str:
+    full = {r: s for k, r, q, s in plan.step_costs if k == "full"}
+    costs = ", ".join(f"{r} rows {1e3 * s:.1f} ms ({s / full[1]:.2f}x)" for r, s in sorted(full.items()))
+    n = len(plan.candidates[0].block_sizes)
+    block = ", ".join(f"{q}: {1e3 * plan.seconds('block', 1, q):.1f} / {1e3 * plan.seconds('block', n, q):.1f} ms"
+                      for q in plan.candidates[0].block_sizes)
+    return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}\n"
+            f"  full forward of length {plan.seq_len}: {costs}\n"
+            f"  block forward, 1 / {n} rows by window: {block}\n  {plan.reason}")
+
+
+def _bench_both(dlm, tokenizer, problems, gen_length: int, block_size: int, block_sizes, threshold: float,
+                on_problem=None) -> dict:
+    """Fast-dLLM and BlockBatch on the same problems, interleaved (which goes first alternates), so that a change
+    in the machine's speed during the run falls on both alike; each method's numbers as `bench_dllm` defines them."""
+    import time
+
+    import torch
+
+    from ..generation.dllm import blockbatch_generate, fast_dllm_generate
+    from ..training.dllm_tasks import final_answer
+    from ..training.dllm_trainer import encode
+
+    device = next(dlm.model.parameters()).device
+    methods = {"fast-dllm": lambda q: fast_dllm_generate(dlm, q, gen_length, block_size, threshold),
+               "blockbatch": lambda q: blockbatch_generate(dlm, q, gen_length, block_sizes, threshold)}
+    totals = {m: {"nfe": 0, "full": 0, "block": 0, "correct": 0, "tokens": 0, "seconds": 0.0, "queries": 0}
+              for m in methods}
+    same = 0
+    for i, problem in enumerate(problems):
+        prompt = encode(tokenizer, [problem], gen_length, with_answers=False)[0].to(device)
+        answers = {}
+        for m in (list(methods) if i % 2 == 0 else list(methods)[::-1]):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            result = methods[m](prompt)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            answers[m] = answer = result.sequence[prompt.shape[1] :]
+            correct = final_answer(tokenizer.decode(answer, skip_special_tokens=True)) == problem.answer
+            for key, value in (("seconds", seconds), ("correct", int(correct)), ("nfe", result.nfe),
+                               ("full", result.nfe_full), ("block", result.nfe_block), ("tokens", answer.numel()),
+                               ("queries", result.query_tokens)):
+                totals[m][key] += value
+        same += int(torch.equal(answers["fast-dllm"], answers["blockbatch"]))
+        if on_problem is not None:
+            on_problem(i)
+    n = max(1, len(problems))
+    report = {"method": "both", "n_prompts": len(problems), "identical_answers": round(same / n, 4)}
+    for m, t in totals.items():
+        report[m] = {"nfe": round(t["nfe"] / n, 3), "nfe_full": round(t["full"] / n, 3),
+                     "nfe_block": round(t["block"] / n, 3), "accuracy": round(t["correct"] / n, 4),
+                     "tokens_per_s": round(t["tokens"] / max(t["seconds"], 1e-9), 3),
+                     "seconds_per_answer": round(t["seconds"] / n, 5),
+                     "ms_per_nfe": round(1000 * t["seconds"] / max(1, t["nfe"]), 3),
+                     "answer_tokens": round(t["tokens"] / n, 2),
+                     "query_tokens_per_nfe": round(t["queries"] / max(1, t["nfe"]), 2)}
+    ff, bb = totals["fast-dllm"], totals["blockbatch"]
+    report["blockbatch_vs_fast_dllm"] = {
+        "nfe": round(bb["nfe"] / max(1, ff["nfe"]), 4),
+        "seconds_per_answer": round(bb["seconds"] / max(ff["seconds"], 1e-9), 4),
+        "accuracy_points": round(100 * (bb["correct"] - ff["correct"]) / n, 2),
+    }
+    return report

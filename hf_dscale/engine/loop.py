@@ -114,7 +114,8 @@ class Engine:
         verify = Verify.of(trees, self.anchor_pos)
         logits = self.verify(verify)
         t2 = time.perf_counter()
-        q = None if draft.q_logits is None else draft.q_logits[:, : logits.shape[1] - 1]
+        sampled = self.do_sample and draft.q_logits is not None  # a sampled chain: speculative sampling's rule
+        q = draft.q_logits[:, : logits.shape[1] - 1] if sampled else None
         walks = accept(verify, logits, self.rows, self.processors, self.do_sample, q, self.active)
         self.commit(verify, walks)
         t3 = time.perf_counter()
@@ -296,7 +297,11 @@ def decode(
         tree_kernel = plan.tree and input_ids.device.type == "cuda" and triton_usable(input_ids.device) and \
             attn in ("sdpa", "eager")
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
-    rows = Rows.start(input_ids)
+    # Plain generate() pads the rows that stop only when it stops on EOS (a criterion with `eos_token_id`); a single
+    # row ends where it stops either way.
+    pad_finished = input_ids.shape[0] == 1 or stopping_criteria is None or \
+        any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    rows = Rows.start(input_ids, pad_finished)
     engine = Engine(target, drafter, plan, rows, vp_drafter=vp_drafter, processors=logits_processor,
                     criteria=stopping_criteria, do_sample=do_sample, streamer=streamer, cache=cache)
     if tree_kernel:
@@ -311,7 +316,7 @@ def decode(
             target.set_attn_implementation(attn)
         if streamer is not None:
             streamer.end()
-    return lay_out(input_ids, rows.generated, pad_token_id), engine.stats
+    return lay_out(input_ids, rows.outputs(), pad_token_id), engine.stats
 
 
 def speculative_generate(target, drafter, input_ids, attention_mask=None, logits_processor=None,

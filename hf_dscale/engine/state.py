@@ -47,16 +47,31 @@ class _ForRow:
 
 @dataclass
 class Rows:
-    """The B rows as plain `generate()` lays them out (left-padded prompt + committed tokens), and their stopping."""
+    """The B rows as plain `generate()` lays them out (left-padded prompt + committed tokens), and their stopping.
+
+    Plain `generate()` pads a row that has stopped only when it stops on an EOS criterion; without one (no
+    `eos_token_id`), a batch's stopped rows go on decoding until every row has stopped, and all rows end at that
+    length. `pad_finished=False` does the same: a row's stop is recorded (`stops`), it stays active, and once every
+    row has stopped the rows are cut (or run on) to the longest stop.
+    """
 
     prompt: torch.Tensor  # [B, P] left-padded prompt, as given
     generated: list[list[int]]  # tokens committed per row
-    finished: list[bool]
+    finished: list[bool]  # the row needs no more tokens
+    pad_finished: bool = True
+    stops: list[int | None] | None = None  # without padding: each row's length when it first stopped
 
     @classmethod
-    def start(cls, prompt: torch.Tensor) -> "Rows":
+    def start(cls, prompt: torch.Tensor, pad_finished: bool = True) -> "Rows":
         b = prompt.shape[0]
-        return cls(prompt, [[] for _ in range(b)], [False] * b)
+        return cls(prompt, [[] for _ in range(b)], [False] * b, pad_finished, [None] * b)
+
+    @property
+    def length(self) -> int | None:
+        """Without padding, once every row has stopped: the length every row ends at."""
+        if self.pad_finished or any(stop is None for stop in self.stops):
+            return None
+        return max(self.stops)
 
     def sequence(self, b: int, extra: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Row b as plain generate() sees it: [1, P + generated (+ extra)]."""
@@ -74,10 +89,21 @@ class Rows:
         scores [len(tokens), V]: the target's (processed) logits each token was chosen from."""
         for j, token in enumerate(tokens):
             self.generated[b].append(token)
-            if stopping_criteria is not None and bool(stopping_criteria(self.sequence(b), scores[j][None])[0]):
-                self.finished[b] = True
-                return j + 1
+            if self.stops[b] is None and stopping_criteria is not None and \
+                    bool(stopping_criteria(self.sequence(b), scores[j][None])[0]):
+                self.stops[b] = len(self.generated[b])
+                if self.pad_finished:
+                    self.finished[b] = True
+                    return j + 1
+        if self.length is not None:
+            self.finished = [len(g) >= self.length for g in self.generated]
         return len(tokens)
+
+    def outputs(self) -> list[list[int]]:
+        """Each row's tokens as plain `generate()` returns them (before the padding `lay_out` adds)."""
+        if self.length is None:
+            return self.generated
+        return [g[: self.length] for g in self.generated]
 
 
 @dataclass

@@ -15,10 +15,19 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
   sync (a branch more than 8 tokens behind copies the leader's row and cache row, keeping its own
   block grid) and a periodic full refresh (one batched full forward once any branch advanced 32
   tokens since the last refresh). This is the paper's periodic ("original_bulk") variant.
+
+A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
+which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
+runs (`measure_step_costs`, or a table the caller passes), decodes a few calibration prompts with candidate branch
+sets and returns a `BlockBatchPlan` naming the set with the lowest expected seconds; `blockbatch_generate(...,
+plan=...)` decodes with it. A full refresh runs each distinct row once: rows a sync made identical give identical
+logits and cache rows, so one forward of the distinct rows is the same step at a fraction of its cost.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +48,7 @@ class DLLMResult:
     branch_rows: torch.Tensor | None = None  # BlockBatch: every branch's final row [N, L]
     query_tokens: int = 0  # tokens run through the model, all forwards together (compute, unlike NFE)
     events: dict = field(default_factory=lambda: {"merged": 0, "synced": 0, "refreshes": 0})
+    forwards: list = field(default_factory=list)  # (kind, rows, queries per row) of every model call, in order
 
 
 def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor, mask_id: int,
@@ -76,10 +86,15 @@ def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | N
     return row.numel() if first_mask == region.numel() else None
 
 
-def _block_query_tokens(model: DiffusionModel, x: torch.Tensor, targets: torch.Tensor, cache) -> int:
-    """The tokens a `model.block` call runs through the model: its targets with the dual cache, every position of
-    every row without it (hub classes without an in-place block cache run a full forward)."""
-    return targets.numel() if cache is not None and model.dual_cache else x.numel()
+def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int, seq_len: int,
+          queries: int = 0) -> None:
+    """Record one model call's shape (what a plan prices) and the query tokens it runs: a block call runs its
+    `queries` per row with the dual cache, and is a full forward of every position without it (hub classes without
+    an in-place block cache)."""
+    if kind == "full" or cache is None or not model.dual_cache:
+        kind, queries = "full", seq_len
+    result.forwards.append((kind, rows, queries))
+    result.query_tokens += rows * queries
 
 
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:
@@ -113,7 +128,7 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         window = torch.arange(s, s + block_size, device=x.device)
         logits = model.full(x, cache)
         result.nfe_full += 1
-        result.query_tokens += x.shape[1]
+        _book(result, model, cache, "full", 1, x.shape[1])
         if commit_first:  # the most likely token at the block's first position, whatever its confidence
             threshold_commit(x[0], logits[0, s : s + 1], window[:1], mask_id, threshold=2.0)
         else:
@@ -122,7 +137,7 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         while end is None and bool((x[0, s : s + block_size] == mask_id).any()):
             logits = model.block(x, window[None], torch.ones_like(window[None], dtype=torch.bool), cache)
             result.nfe_block += 1
-            result.query_tokens += _block_query_tokens(model, x, window[None], cache)
+            _book(result, model, cache, "block", 1, x.shape[1], block_size)
             threshold_commit(x[0], logits[0], window, mask_id, threshold)
             end = answer_end(x[0], p, mask_id, eos)
         if end is not None:
@@ -151,10 +166,9 @@ class _Branches:
     def decoded(self, i: int) -> int:
         return int((self.x[i, self.p :] != self.model.mask_token_id).sum())
 
-    def remember(self, i: int, logits: torch.Tensor, positions: torch.Tensor, floor: float) -> None:
-        probs, ids = torch.softmax(logits.float(), -1).topk(TOPK, dim=-1)
-        self.probs[i, positions] = torch.where(probs > floor, probs, torch.zeros_like(probs))
-        self.ids[i, positions] = ids
+    def remember(self, i: int, top: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> None:
+        """Store `_top`'s (probs, ids) [Q, TOPK] as branch i's beliefs at `positions` [Q]."""
+        self.probs[i, positions], self.ids[i, positions] = top
 
     def snap(self, i: int) -> None:
         """Window = the block of this branch's own grid holding its first mask; done if none is left."""
@@ -223,32 +237,40 @@ def sync(state: _Branches, threshold: int) -> int:
 
 @torch.no_grad()
 def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256,
-                        block_sizes=BLOCK_SIZES, threshold: float = 0.9, merge_gate: float = 0.5,
+                        block_sizes: Sequence[int] | None = None, threshold: float = 0.9, merge_gate: float = 0.5,
                         prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None = 32,
-                        exchange: bool = True, stop_early: bool = True) -> DLLMResult:
+                        exchange: bool = True, stop_early: bool = True,
+                        plan: BlockBatchPlan | None = None) -> DLLMResult:
     """BlockBatch (see the module docstring); prompt [1, P].
 
+    Branches: `block_sizes` when given, else `plan.block_sizes` (`plan_blockbatch`), else the paper's set.
     `exchange=False` turns off merge and sync (each branch then decodes exactly as it would alone, if
     `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete.
     """
-    sizes = sorted(block_sizes)
+    if block_sizes is None and plan is not None:
+        if plan.gen_length != gen_length:
+            raise ValueError(f"The plan was made for gen_length {plan.gen_length}, not {gen_length}: make one for "
+                             "this length (plan_blockbatch) or pass block_sizes.")
+        block_sizes = plan.block_sizes
+    sizes = sorted(BLOCK_SIZES if block_sizes is None else block_sizes)
     bad = [b for b in sizes if gen_length % b]
     if bad:
         raise ValueError(f"gen_length {gen_length} must be a multiple of every block size; not of {bad}.")
     x1 = _start(model, prompt, gen_length)
-    p, mask_id, eos, n = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes)
+    p, mask_id, eos, n, length = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes), x1.shape[1]
     state = _Branches(model, x1.expand(n, -1).clone(), p, sizes)
     result = DLLMResult(sequence=x1[0])
-    every = torch.arange(x1.shape[1], device=x1.device)
+    every = torch.arange(length, device=x1.device)
 
     # init: one full forward of the prompt row, shared by every branch (1 NFE)
     logits = model.full(x1, state.cache)
     result.nfe_full += 1
-    result.query_tokens += x1.shape[1]
+    _book(result, model, state.cache, "full", 1, length)
     if state.cache is not None:
         state.cache.expand(n)
+    top = _top(logits[0], prob_floor)
     for i in range(n):
-        state.remember(i, logits[0], every, prob_floor)
+        state.remember(i, top, every)
         threshold_commit(state.x[i], logits[0, state.window(i)], state.window(i), mask_id, threshold)
         state.snap(i)
     if exchange:
@@ -259,18 +281,22 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         live = [i for i in range(n) if not state.done[i]]
         flagged = refresh_tokens is not None and any(state.since_refresh[i] >= refresh_tokens for i in live)
         if flagged and not force_block:
+            # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
             rows = torch.tensor(live, device=x1.device)
+            distinct, of_row = torch.unique(state.x[rows], dim=0, return_inverse=True)  # [U, L], [len(live)]
             fresh = model.new_cache()
-            logits = model.full(state.x[rows], fresh)
+            logits = model.full(distinct, fresh)  # [U, L, V]
             if state.cache is not None:
-                state.cache.write_rows(rows, fresh)
+                _write_distinct(state.cache, rows, fresh, of_row)
             result.nfe_full += 1
-            result.query_tokens += len(live) * x1.shape[1]
+            _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
+            top = _top(logits, prob_floor)  # [U, L, TOPK] twice
             for j, i in enumerate(live):
+                u = int(of_row[j])
                 state.since_refresh[i] = 0
-                state.remember(i, logits[j], every, prob_floor)
-                threshold_commit(state.x[i], logits[j, state.window(i)], state.window(i), mask_id, threshold)
+                state.remember(i, (top[0][u], top[1][u]), every)
+                threshold_commit(state.x[i], logits[u, state.window(i)], state.window(i), mask_id, threshold)
         else:
             q = max(state.sizes[i] for i in live)
             targets = torch.full((n, q), p, dtype=torch.long, device=x1.device)
@@ -279,12 +305,13 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 w = state.window(i)
                 targets[i, : w.numel()], targets[i, w.numel() :] = w, w[-1]
                 write[i, : w.numel()] = True
-            logits = model.block(state.x, targets, write, state.cache)
+            logits = model.block(state.x, targets, write, state.cache)  # [n, q, V]
             result.nfe_block += 1
-            result.query_tokens += _block_query_tokens(model, state.x, targets, state.cache)
+            _book(result, model, state.cache, "block", n, length, q)
+            top = _top(logits, prob_floor)  # [n, q, TOPK] twice
             for i in live:
                 w = state.window(i)
-                state.remember(i, logits[i, : w.numel()], w, prob_floor)
+                state.remember(i, (top[0][i, : w.numel()], top[1][i, : w.numel()]), w)
                 threshold_commit(state.x[i], logits[i, : w.numel()], w, mask_id, threshold)
         force_block = False
         if stop_early:
@@ -303,13 +330,250 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if winner is None:
         winner = max(range(n), key=lambda i: (state.decoded(i), -i))
     end = answer_end(state.x[winner], p, mask_id, eos)
-    result.sequence = state.x[winner, : end if end is not None else x1.shape[1]]
+    result.sequence = state.x[winner, : end if end is not None else length]
     result.block_size, result.branch_rows = sizes[winner], state.x
     result.nfe = result.nfe_full + result.nfe_block
     return result
+
+
+def _top(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TOPK probabilities (those <= floor zeroed) and their ids [..., TOPK] of logits [..., V]."""
+    probs, ids = torch.softmax(logits.float(), -1).topk(TOPK, dim=-1)
+    return torch.where(probs > floor, probs, torch.zeros_like(probs)), ids
+
+
+def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:
+    """Cache rows `rows` [R] take the rows of `fresh` (U distinct rows) they share: row rows[j] takes of_row[j]."""
+    for mine, theirs in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
+        for t, u in zip(mine, theirs):
+            t[rows] = u if u.shape[0] == 1 else u[of_row]  # one distinct row (the usual case after a sync): broadcast
 
 
 def _eos_prob(state: _Branches, i: int, position: int, eos: int | None) -> torch.Tensor:
     if eos is None:
         return torch.zeros(())
     return ((state.ids[i, position] == eos) * state.probs[i, position]).amax()
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class CandidateCost:
+    """One branch set decoded on the calibration prompts (means per prompt)."""
+
+    block_sizes: tuple[int, ...]
+    nfe: float
+    expected_seconds: float  # its forwards priced by the step costs: what the plan compares
+    measured_seconds: float  # wall-clock of the calibration runs, host bookkeeping included (noisy; for reading)
+    agreement: float  # fraction of prompts whose answer equals the reference set's
+
+    def to_dict(self) -> dict:
+        return {"block_sizes": list(self.block_sizes), "nfe": round(self.nfe, 3),
+                "expected_seconds": round(self.expected_seconds, 6),
+                "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4)}
+
+
+@dataclass(frozen=True)
+class BlockBatchPlan:
+    """Which branches BlockBatch runs, and the measurements that chose them (made by `plan_blockbatch`).
+
+    `step_costs` holds (kind, rows, queries, seconds) for every forward shape priced, full forwards at `seq_len`;
+    `candidates` every branch set tried, the reference (all candidate sizes) first; `reason` the decision in words.
+    """
+
+    block_sizes: tuple[int, ...]
+    gen_length: int
+    seq_len: int
+    step_costs: tuple[tuple[str, int, int, float], ...]
+    candidates: tuple[CandidateCost, ...]
+    reason: str
+
+    def seconds(self, kind: str, rows: int, queries: int) -> float:
+        for k, r, q, s in self.step_costs:
+            if (k, r) == (kind, rows) and (kind == "full" or q == queries):
+                return s
+        raise KeyError(f"The plan priced no {kind} forward of {rows} rows x {queries} queries.")
+
+    @property
+    def batched_vs_single(self) -> dict:
+        """What a forward of r rows costs against one row of the same shape: {"full": {r: x}, "block": {q: {r: x}}}
+        (keys as strings, as JSON has them)."""
+        out: dict = {"full": {}, "block": {}}
+        for kind, rows, queries, seconds in self.step_costs:
+            if rows > 1:
+                ratio = round(seconds / self.seconds(kind, 1, queries), 3)
+                (out["full"] if kind == "full" else out["block"].setdefault(str(queries), {}))[str(rows)] = ratio
+        return out
+
+    def to_dict(self) -> dict:
+        return {"block_sizes": list(self.block_sizes), "gen_length": self.gen_length, "seq_len": self.seq_len,
+                "reason": self.reason, "batched_vs_single": self.batched_vs_single,
+                "step_costs": [{"kind": k, "rows": r, "queries": q, "seconds": round(s, 6)}
+                               for k, r, q, s in self.step_costs],
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BlockBatchPlan:
+        """The inverse of `to_dict` (costs rounded to the microsecond), e.g. to reuse a plan from a bench report."""
+        return cls(block_sizes=tuple(d["block_sizes"]), gen_length=d["gen_length"], seq_len=d["seq_len"],
+                   step_costs=tuple((c["kind"], c["rows"], c["queries"], c["seconds"]) for c in d["step_costs"]),
+                   candidates=tuple(CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"],
+                                                  c["measured_seconds"], c["agreement"]) for c in d["candidates"]),
+                   reason=d["reason"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: int, shapes, repeats: int = 5,
+                       clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Median seconds of one model call per shape (kind, rows, queries) at the real sequence length; prompt [1, P].
+
+    The repeats are interleaved across shapes, so a change in the machine's speed (another process, clock
+    scaling) falls on every shape alike. Inputs are the prompt then masks, one copy per row; a block call of r rows
+    runs against the first r rows of one cache that a full forward filled (its writes land in that throwaway cache).
+    """
+    x1 = _start(model, prompt, gen_length)
+    p, length, device = prompt.shape[1], x1.shape[1], x1.device
+    most = max((rows for kind, rows, _ in shapes if kind == "block"), default=0)
+    shared = model.new_cache()  # one cache for every block shape, each using its first rows: memory of `most` rows
+    if shared is not None and most:
+        model.full(x1.expand(most, -1).contiguous(), shared)
+    calls = {}
+    for kind, rows, queries in shapes:
+        x = x1.expand(rows, -1).contiguous()
+        if kind == "full":
+            calls[(kind, rows, queries)] = lambda x=x: model.full(x, model.new_cache())
+            continue
+        cache = None
+        if shared is not None:
+            cache = model.new_cache()
+            cache.keys, cache.values = [k[:rows] for k in shared.keys], [v[:rows] for v in shared.values]
+        targets = (p + torch.arange(queries, device=device)).clamp_max(length - 1)[None].expand(rows, -1)
+        write = torch.ones(rows, queries, dtype=torch.bool, device=device)
+        calls[(kind, rows, queries)] = lambda x=x, t=targets, w=write, c=cache: model.block(x, t, w, c)
+    for call in calls.values():  # warm-up: first-call allocations are not a step's cost
+        call()
+    times = {shape: [] for shape in calls}
+    for _ in range(repeats):
+        for shape, call in calls.items():
+            _sync(device)
+            start = clock()
+            call()
+            _sync(device)
+            times[shape].append(clock() - start)
+    return {shape: sorted(t)[len(t) // 2] for shape, t in times.items()}
+
+
+def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_length: int,
+                    candidate_block_sizes: Sequence[int] = BLOCK_SIZES, device=None, *, threshold: float = 0.9,
+                    min_branches: int = 2, min_gain: float = 0.05, min_agreement: float = 0.9,
+                    step_seconds: Callable[[str, int, int], float] | None = None, repeats: int = 5,
+                    clock: Callable[[], float] = time.perf_counter) -> BlockBatchPlan:
+    """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
+
+    NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of
+    r rows costs up to r times one row, so a branch pays only if the forwards it saves outweigh the rows it adds.
+    The plan decodes the calibration `prompts` (each [1, P]; draw them apart from any evaluation set) with
+    candidate branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, rows,
+    queries)`; by default `measure_step_costs` on this model, for every shape a run can take (full forwards at the
+    first prompt's length). The search (`_choose`) is greedy: the cheapest single branch, then the branch whose
+    addition lowers the expected seconds most, while fewer than `min_branches` or while it saves at least
+    `min_gain` of them. The margin stands for the host bookkeeping (merge, sync, one commit per branch per step),
+    which grows with the branches and is not priced. A set qualifies only if at least `min_agreement` of its
+    answers equal those of the reference set (all candidate sizes: the paper's BlockBatch); when the search ends
+    on one that does not, the plan is the reference. `device` moves the prompts; `clock` and `repeats` time.
+
+    `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
+
+    Returns a `BlockBatchPlan`; pass it as `blockbatch_generate(..., plan=plan)`.
+    """
+    sizes = tuple(sorted(set(candidate_block_sizes)))
+    bad = [b for b in sizes if gen_length % b]
+    if bad:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of every candidate block size; not of {bad}.")
+    if not prompts:
+        raise ValueError("plan_blockbatch needs calibration prompts (a few, drawn apart from the evaluation set).")
+    if not 1 <= min_branches <= len(sizes):
+        raise ValueError(f"min_branches must be between 1 and the {len(sizes)} candidate sizes, got {min_branches}.")
+    prompts = [q.to(device) if device is not None else q for q in prompts]
+    seq_len = prompts[0].shape[1] + gen_length
+    # every shape a run of these sizes can take, priced in one interleaved batch so that all compare alike:
+    # a full forward of 1..K rows, a block forward of 1..K rows x each window size
+    grid = [("full", r, seq_len) for r in range(1, len(sizes) + 1)]
+    grid += [("block", r, q) for r in range(1, len(sizes) + 1) for q in sizes]
+    if step_seconds is None:
+        priced = measure_step_costs(model, prompts[0], gen_length, grid, repeats, clock)
+    else:
+        priced = {shape: float(step_seconds(*shape)) for shape in grid}
+    answers: dict = {}  # block sizes -> the answers [P + n] per prompt
+    tried: dict = {}  # block sizes -> CandidateCost, in the order tried
+
+    def evaluate(combo: tuple[int, ...]) -> CandidateCost:
+        """Decode the calibration prompts with these branches; price the forwards each run made."""
+        if combo not in tried:
+            results, wall = [], 0.0
+            for q in prompts:
+                _sync(q.device)
+                start = clock()
+                results.append(blockbatch_generate(model, q, gen_length, combo, threshold))
+                _sync(q.device)
+                wall += clock() - start
+            answers[combo] = [r.sequence for r in results]
+            reference = answers.get(sizes, answers[combo])
+            same = sum(torch.equal(a, b) for a, b in zip(answers[combo], reference))
+            seconds = sum(priced[(kind, rows, seq_len if kind == "full" else queries)]  # full: at seq_len
+                          for r in results for kind, rows, queries in r.forwards)
+            n = len(prompts)
+            tried[combo] = CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n)
+        return tried[combo]
+
+    reference = evaluate(sizes)  # first: the others' agreement is with its answers
+    chosen, steps = _choose(evaluate, sizes, min_branches, min_gain, min_agreement)
+    steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
+                 f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
+                 f"(NFE {reference.nfe:.2f})")
+    return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
+                          step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced)),
+                          candidates=tuple(tried.values()), reason="; ".join(steps))
+
+
+def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[int, ...], min_branches: int,
+            min_gain: float, min_agreement: float) -> tuple[CandidateCost, list[str]]:
+    """The decision: greedy forward selection over branch sets by expected seconds (see `plan_blockbatch`).
+    Returns the chosen set and the steps that led to it, in words."""
+
+    def best(costs: list[CandidateCost]) -> CandidateCost:  # qualifying first, then cheapest, then fewer branches
+        return min(costs, key=lambda c: (c.agreement < min_agreement, c.expected_seconds, len(c.block_sizes)))
+
+    current = best([evaluate((b,)) for b in sizes])
+    steps = [f"{_name(current)} {current.expected_seconds * 1e3:.2f} ms: the cheapest single branch"]
+    while len(current.block_sizes) < len(sizes):
+        ext = best([evaluate(tuple(sorted(current.block_sizes + (b,)))) for b in sizes if b not in current.block_sizes])
+        added = (set(ext.block_sizes) - set(current.block_sizes)).pop()
+        gain = 1 - ext.expected_seconds / current.expected_seconds if current.expected_seconds > 0 else 0.0
+        move = f"+{added} -> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
+        if len(current.block_sizes) < min_branches:
+            steps.append(f"{move}: needed for {min_branches} branches")
+        elif ext.agreement >= min_agreement and gain >= min_gain:
+            steps.append(f"{move}: saves {100 * gain:.1f}%")
+        else:
+            why = ("disagrees with the reference" if ext.agreement < min_agreement
+                   else f"saves {100 * gain:.1f}% < {100 * min_gain:.0f}%" if gain >= 0
+                   else f"costs {-100 * gain:.1f}% more")
+            steps.append(f"{move}: {why}; stop")
+            break
+        current = ext
+    if current.agreement < min_agreement:
+        steps.append(f"{_name(current)} agrees with the reference on {100 * current.agreement:.0f}% of the prompts "
+                     f"(< {100 * min_agreement:.0f}%): the reference set")
+        current = evaluate(sizes)
+    return current, steps
+
+
+def _name(c: CandidateCost) -> str:
+    return "{" + ",".join(map(str, c.block_sizes)) + "}"

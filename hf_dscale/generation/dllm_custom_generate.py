@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from ..models.dllm import DiffusionModel
 from ..engine.state import lay_out
-from .dllm import BLOCK_SIZES, blockbatch_generate, fast_dllm_generate
+from ..models.dllm import DiffusionModel
+from .dllm import blockbatch_generate, fast_dllm_generate
 
 METHODS = ("fast-dllm", "blockbatch")
 
 
 def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
              mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
-             block_sizes=BLOCK_SIZES, threshold: float = 0.9, **model_kwargs):
-    """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch); threshold; dllm_stats: a list
-    that receives one `DLLMResult` per row (NFE counts)."""
+             block_sizes=None, blockbatch_plan=None, threshold: float = 0.9, **model_kwargs):
+    """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch; default the paper's 4 to 128) or
+    blockbatch_plan (a `BlockBatchPlan` from `plan_blockbatch`: branches chosen by measured step costs; explicit
+    block_sizes win); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts)."""
     if dllm_method not in METHODS:
         raise ValueError(f"dllm_method must be one of {METHODS}, got {dllm_method!r}.")
     if generation_config is not None and generation_config.do_sample:
@@ -35,7 +36,7 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
         if dllm_method == "fast-dllm":
             result = fast_dllm_generate(dlm, prompt, gen_length, block_size, threshold)
         else:
-            result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold)
+            result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold, plan=blockbatch_plan)
         answers.append(result.sequence[prompt.shape[1] :])
         if dllm_stats is not None:
             dllm_stats.append(result)

@@ -163,6 +163,19 @@ def test_bench_dscale_tree_verifies_more_than_the_block(folders, tmp_path):
     assert tree["tree_tokens"] > chain["verify_tokens"]  # spine + 3 branches, not the block alone
 
 
+def test_bench_batched_reports_the_batch_against_batch_one(folders, tmp_path):
+    out = tmp_path / "batch.json"
+    code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompts", PROMPTS, "--limit", "3", "--batch-size", "2", "--max-new-tokens", "10",
+                 "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["identical"] is True and (report["batch_size"], report["n_prompts"]) == (2, 2)
+    ways = {"plain_batched", "method_batched", "method_batch_1"}
+    assert set(report["tokens_per_s"]) == ways and all(report["tokens_per_s"][w] > 0 for w in ways)
+    assert report["new_tokens"]["method_batched"] == report["new_tokens"]["method_batch_1"] > 0  # the same outputs
+    assert report["plan"]["batch_size"] == 2 and report["batched_over_batch_1"] > 0
+
+
 def test_bench_and_run_with_prompt_lookup(folders, tmp_path, capsys):
     out = tmp_path / "lookup.json"
     code = main(["bench", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),

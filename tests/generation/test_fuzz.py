@@ -1,11 +1,13 @@
 """A greedy-identity fuzz: 1,000 random decoding cases, each identical to plain `generate()` token for token.
 
 Each case draws a target family (Llama, Qwen3, Gemma 3 with a sliding window of 8), a batch of 1-8 rows with
-uneven left padding, prompt lengths from 1 to 64 (some up to 300, far past the window), 1-24 new tokens (so a
-generation often ends inside a block), an EOS token some rows meet mid-block, a repetition penalty or none, a way
-to decode (the chain with a whole block, a confidence cut or the throughput cut; the drafter's own tree, with or
-without the prompt lookup; D²SD) and a drafter: a random one (rejections everywhere) or an oracle that follows
-plain decoding's output with a random error rate (long accepted runs, rejections at every depth).
+uneven left padding, prompt lengths from 1 to 64 (some up to 600, far past the window), 1-24 new tokens (so a
+generation often ends inside a block), an EOS token some rows meet mid-block, a stop string (through transformers'
+`StopStringCriteria` and a character tokenizer) or none, a repetition penalty or none, a way to decode (the
+engine's default; the chain with a whole block, a confidence cut or the throughput cut; the drafter's own tree,
+with or without the prompt lookup; D²SD) and a drafter: a random one (rejections everywhere) or an oracle that
+follows plain decoding's output with a random error rate (long accepted runs, rejections at every depth). A stop
+string without an EOS token is the case where plain `generate()` lets a stopped row run on until every row stops.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import random
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from hf_dscale.generation import custom_generate
 
@@ -22,16 +31,16 @@ from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_t
 
 CASES, CHUNK = 1000, 100
 FAMILIES = ("llama", "qwen3", "gemma3")
-WAYS = ("chain-whole", "chain-cut", "chain-auto", "tree", "tree-lookup", "d2sd")
+WAYS = ("default", "chain-whole", "chain-cut", "chain-auto", "tree", "tree-lookup", "d2sd")
 
 
 def _case(rng: random.Random) -> dict:
     batch = rng.choice([1, 1, 2, 3, 4, 8])
-    longest = rng.choice([1, 5, 12, 30, 64]) if rng.random() < 0.9 else rng.randint(100, 300)
+    longest = rng.choice([1, 5, 12, 30, 64]) if rng.random() < 0.9 else rng.randint(100, 600)
     return dict(family=rng.choice(FAMILIES), batch=batch, longest=longest,
                 lengths=[rng.randint(1, longest) for _ in range(batch - 1)] + [longest],
                 new=rng.randint(1, 24), eos=rng.choice([None, None, rng.randint(3, MASK_ID - 1)]),
-                penalty=rng.choice([None, 1.3]), way=rng.choice(WAYS),
+                penalty=rng.choice([None, 1.3]), way=rng.choice(WAYS), stop=rng.random() < 0.25,
                 error_rate=rng.choice([None, 0.0, 0.1, 0.3, 0.6]), seed=rng.randint(0, 2**31))
 
 
@@ -41,6 +50,17 @@ CASE_LIST = [_case(random.Random(1000 + i)) for i in range(CASES)]
 @pytest.fixture(scope="module")
 def targets():
     return {family: tiny_target(family) for family in FAMILIES}
+
+
+def _characters() -> PreTrainedTokenizerFast:
+    """One character per token id (chr(48 + id)), so that stop strings can be matched in the tiny vocabulary."""
+    tokenizer = Tokenizer(models.WordLevel({chr(48 + i): i for i in range(MASK_ID + 1)}, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+CHARACTERS = _characters()
 
 
 def _prompt(lengths: list[int], seed: int):
@@ -60,6 +80,13 @@ def _run(target, case) -> None:
     if case["penalty"]:
         kw["logits_processor"] = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(case["penalty"])])
     plain = target.generate(**kw)
+    if case["stop"]:  # a one- or two-character piece of a row's plain output; transformers drops `tokenizer=` on the
+        # way to a custom generate function, so the criterion is built here, as a user would pass it
+        row = CHARACTERS.decode(plain[case["seed"] % len(plain), ids.shape[1] :])
+        start = case["seed"] % max(1, len(row) - 1)
+        criteria = lambda: StoppingCriteriaList([StopStringCriteria(CHARACTERS, [row[start : start + 2]])])  # noqa: E731
+        plain = target.generate(**kw, stopping_criteria=criteria())
+        kw["stopping_criteria"] = criteria()
     torch.manual_seed(case["seed"])
     if case["error_rate"] is None:
         drafter = tiny_drafter(target, seed=case["seed"] % 7)
@@ -67,8 +94,9 @@ def _run(target, case) -> None:
         drafter = tiny_drafter(target, cls=OracleDrafter)
         drafter.oracle, drafter.error_rate = oracle_from(plain, mask), case["error_rate"]
     way = case["way"]
-    options = {"chain-whole": dict(draft_confidence=0.0), "chain-cut": dict(draft_confidence=0.5),
-               "chain-auto": dict(draft_confidence="auto"), "tree": dict(draft_tree=True, num_branches=2),
+    options = {"default": {}, "chain-whole": dict(draft_tree=False, draft_confidence=0.0),
+               "chain-cut": dict(draft_tree=False, draft_confidence=0.5),
+               "chain-auto": dict(draft_tree=False, draft_confidence="auto"), "tree": dict(draft_tree=True, num_branches=2),
                "tree-lookup": dict(draft_tree=True, prompt_lookup=True),
                "d2sd": dict(vp_drafter=tiny_drafter(target, seed=11), num_branches=2)}[way]
     spec = target.generate(**kw, custom_generate=custom_generate, drafter=drafter, **options)

@@ -1,0 +1,215 @@
+"""BlockBatch's plan: branches chosen by expected seconds from step costs (a fake cost table or a fake clock), the
+plan in JSON, explicit sizes over a plan, refreshes of distinct rows, and `bench-dllm --method both`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_dscale.generation import dllm_generate
+from hf_dscale.generation.dllm import (
+    BlockBatchPlan,
+    CandidateCost,
+    _write_distinct,
+    blockbatch_generate,
+    measure_step_costs,
+    plan_blockbatch,
+)
+from hf_dscale.models.dllm import DiffusionModel
+from hf_dscale.models.dllm.modeling_dllm import DualCache
+
+from .test_dllm import EOS, MASK, VOCAB, _logits_for, tiny_dlm
+
+G = 16
+PROMPT = torch.tensor([[3, 4]])
+ANSWER = [3, 4] + [5 + i for i in range(G)]  # no EOS: a run ends when the region is full
+
+
+class _Climbing:
+    """A DiffusionModel stand-in whose confidence (0.6 to 0.62, under the threshold, over the merge gate) climbs
+    with the position: each branch commits the rightmost mask of its window, so small blocks fill from the left
+    while a large one fills from the right, and merge and sync let branches share. Alone, any block size takes
+    one forward per token (NFE 16); {4, 16} takes 11, {2, 4, 8, 16} 8."""
+
+    mask_token_id, eos_token_id, shift, dual_cache = MASK, EOS, 0, False
+
+    def new_cache(self):
+        return None
+
+    def __init__(self):
+        self.logits = _logits_for([0.6 + 0.001 * p for p in range(len(ANSWER))], ANSWER).float()  # [L, V]
+
+    def full(self, x, cache=None):
+        return self.logits[: x.shape[1]][None].expand(x.shape[0], -1, -1)
+
+    def block(self, x, targets, write, cache=None):
+        return self.full(x).gather(1, targets[..., None].expand(-1, -1, VOCAB))
+
+
+def _plan(step_seconds, min_branches=1, **kw):
+    return plan_blockbatch(_Climbing(), [PROMPT], G, (2, 4, 8, 16), min_branches=min_branches,
+                           step_seconds=step_seconds, **kw)
+
+
+def test_climbing_model_shares_across_branches():
+    """The premise of the plan tests below: more branches, fewer forwards, every set the same answer."""
+    alone = blockbatch_generate(_Climbing(), PROMPT, G, (16,))
+    pair = blockbatch_generate(_Climbing(), PROMPT, G, (4, 16))
+    assert alone.nfe == 16 and pair.nfe == 11 and alone.sequence.tolist() == pair.sequence.tolist() == ANSWER
+    assert pair.forwards[0] == ("full", 1, 18) and set(pair.forwards[1:]) == {("full", 2, 18)}  # no dual cache
+
+
+def test_plan_keeps_branches_when_a_batched_row_is_free_and_drops_them_when_it_costs_a_row():
+    free = _plan(lambda kind, rows, queries: 1.0)  # GPU-like: a forward costs the same at any batch
+    assert len(free.block_sizes) >= 3
+    chosen = next(c for c in free.candidates if c.block_sizes == free.block_sizes)
+    assert chosen.expected_seconds == chosen.nfe < 16 and chosen.agreement == 1.0
+
+    per_row = _plan(lambda kind, rows, queries: float(rows))  # compute-bound: r rows cost r forwards
+    assert len(per_row.block_sizes) == 1  # {4, 16}: 1 + 10 x 2 = 21 s > 16 s alone
+    pair = next(c for c in per_row.candidates if len(c.block_sizes) == 2)
+    assert pair.expected_seconds > 16.0 and "stop" in per_row.reason
+
+    forced = _plan(lambda kind, rows, queries: float(rows), min_branches=2)
+    assert len(forced.block_sizes) == 2 and "needed for 2 branches" in forced.reason
+
+
+def test_plan_falls_back_to_the_reference_when_no_cheaper_set_agrees():
+    class Disagreeing(_Climbing):  # a lone branch writes another answer
+        def full(self, x, cache=None):
+            logits = super().full(x)
+            alone = x.shape[0] == 1 and int((x[0] != MASK).sum()) > PROMPT.shape[1]  # a one-branch step
+            return logits.roll(1, -1) if alone else logits
+
+    plan = plan_blockbatch(Disagreeing(), [PROMPT], G, (4, 16), min_branches=1,
+                           step_seconds=lambda kind, rows, queries: float(rows) ** 3)
+    assert plan.block_sizes == (4, 16) and "the reference set" in plan.reason
+
+
+class _Clocked:
+    """A DiffusionModel that advances a fake clock by 1 ms per query token it runs (a spike of 1 s on every 7th
+    call: the median of interleaved repeats must not see it)."""
+
+    def __init__(self, inner: DiffusionModel):
+        self.inner, self.now, self.calls = inner, 0.0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _tick(self, tokens: int) -> None:
+        self.calls += 1
+        self.now += 1e-3 * tokens + (1.0 if self.calls % 7 == 0 else 0.0)
+
+    def full(self, x, cache=None):
+        self._tick(x.numel())
+        return self.inner.full(x, cache)
+
+    def block(self, x, targets, write, cache=None):
+        self._tick(targets.numel())
+        return self.inner.block(x, targets, write, cache)
+
+
+def test_step_costs_measured_with_a_fake_clock():
+    model = _Clocked(DiffusionModel(tiny_dlm()))
+    shapes = [("full", 1, 20), ("full", 3, 20), ("block", 2, 4), ("block", 3, 8)]
+    costs = measure_step_costs(model, torch.randint(3, VOCAB, (1, 4)), G, shapes, repeats=5, clock=lambda: model.now)
+    assert costs == pytest.approx({("full", 1, 20): 0.020, ("full", 3, 20): 0.060, ("block", 2, 4): 0.008,
+                                   ("block", 3, 8): 0.024})
+
+
+def test_plan_prices_the_forwards_each_run_made():
+    """Priced by a fake clock that only model calls advance (no spikes here), a run's expected seconds and its
+    measured wall-clock are the same number: the recorded shapes are the calls made, priced at their measured cost."""
+    model = _Clocked(DiffusionModel(tiny_dlm(seed=2)))
+    model._tick = lambda tokens: setattr(model, "now", model.now + 1e-3 * tokens)
+    prompts = [torch.randint(3, VOCAB, (1, 4)) for _ in range(2)]
+    plan = plan_blockbatch(model, prompts, G, (4, 8, 16), min_branches=2, clock=lambda: model.now, repeats=3)
+    assert len(plan.candidates) >= 1 + 3 + 2
+    for c in plan.candidates:
+        assert c.expected_seconds == pytest.approx(c.measured_seconds)
+    assert plan.seconds("full", 3, 20) == pytest.approx(3 * plan.seconds("full", 1, 20))
+    assert plan.batched_vs_single["full"] == {"2": 2.0, "3": 3.0}
+
+
+def test_plan_round_trips_through_json():
+    plan = _plan(lambda kind, rows, queries: 0.5 * rows)
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["block_sizes"] == list(plan.block_sizes) and d["reason"] == plan.reason
+    assert {"kind": "full", "rows": 3, "queries": G + 2, "seconds": 1.5} in d["step_costs"]
+    assert d["batched_vs_single"]["full"]["4"] == 4.0 and d["batched_vs_single"]["block"]["8"]["2"] == 2.0
+    again = BlockBatchPlan.from_dict(d)  # equal up to the microsecond rounding of measured wall-clock
+    assert again.to_dict() == d and again.block_sizes == plan.block_sizes and again.step_costs == plan.step_costs
+
+
+def test_explicit_block_sizes_override_a_plan():
+    dlm = DiffusionModel(tiny_dlm(seed=1))
+    prompt = torch.randint(3, VOCAB, (1, 5))
+    plan = BlockBatchPlan(block_sizes=(4, 8), gen_length=G, seq_len=21, step_costs=(), candidates=(), reason="test")
+    planned = blockbatch_generate(dlm, prompt, G, plan=plan)
+    assert planned.branch_rows.shape[0] == 2
+    same = blockbatch_generate(dlm, prompt, G, (4, 8))
+    assert torch.equal(planned.sequence, same.sequence) and planned.nfe == same.nfe
+    assert planned.forwards == same.forwards
+    out = dlm.model.generate(prompt, max_new_tokens=G, do_sample=False, custom_generate=dllm_generate,
+                             dllm_method="blockbatch", blockbatch_plan=plan)
+    assert torch.equal(out[0, : same.sequence.numel()], same.sequence)
+    explicit = blockbatch_generate(dlm, prompt, G, (16,), plan=plan)
+    assert explicit.branch_rows.shape[0] == 1 and explicit.block_size == 16
+    with pytest.raises(ValueError, match="plan was made for gen_length 16"):
+        blockbatch_generate(dlm, prompt, 32, plan=plan)
+    with pytest.raises(ValueError, match="calibration prompts"):
+        plan_blockbatch(dlm, [], G, (4, 8))
+    with pytest.raises(ValueError, match="min_branches"):
+        plan_blockbatch(dlm, [prompt], G, (4, 8), min_branches=3)
+
+
+def test_a_refresh_runs_each_distinct_row_once():
+    """After the hard sync every branch holds the leader's row: the first refresh is one forward of one row (at
+    threshold 0 the largest block fills at once and leads); the distinct rows' cache rows go to the rows sharing
+    them."""
+    dlm = DiffusionModel(tiny_dlm(seed=4))
+    prompt = torch.randint(3, VOCAB, (1, 4))
+    result = blockbatch_generate(dlm, prompt, G, (2, 4, 8), threshold=0.0, refresh_tokens=1, stop_early=False)
+    refreshes = [f for f in result.forwards[1:] if f[0] == "full"]
+    assert len(refreshes) == result.events["refreshes"] >= 1 and result.nfe_full == 1 + len(refreshes)
+    assert result.forwards[1] == ("full", 1, 4 + G) and all(rows <= 3 for _, rows, _ in refreshes)
+
+    cache, fresh = DualCache(1), DualCache(1)
+    cache.keys, cache.values = [torch.zeros(4, 1, 3, 2)], [torch.zeros(4, 1, 3, 2)]
+    fresh.keys, fresh.values = [torch.arange(12.0).view(2, 1, 3, 2)], [-torch.arange(12.0).view(2, 1, 3, 2)]
+    _write_distinct(cache, torch.tensor([0, 2, 3]), fresh, torch.tensor([1, 0, 1]))
+    assert torch.equal(cache.keys[0][[0, 1, 2, 3]], torch.stack([fresh.keys[0][1], torch.zeros(1, 3, 2),
+                                                                  fresh.keys[0][0], fresh.keys[0][1]]))
+    one = DualCache(1)
+    one.keys, one.values = [fresh.keys[0][:1]], [fresh.values[0][:1]]
+    _write_distinct(cache, torch.tensor([1, 3]), one, torch.tensor([0, 0]))  # one distinct row: broadcast
+    assert torch.equal(cache.values[0][1], fresh.values[0][0]) and torch.equal(cache.values[0][3], fresh.values[0][0])
+
+
+def test_bench_both_reports_the_two_methods_side_by_side():
+    from hf_dscale.cli.dllm import _bench_both
+    from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
+    from hf_dscale.training.dllm_tasks import build_tokenizer, make_problems
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, mask_token_id=tokenizer.mask_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
+    dlm = DiffusionModel(DiffusionLM(config).eval())
+    problems = make_problems("arithmetic", 2, seed=3, heldout=True)
+    report = _bench_both(dlm, tokenizer, problems, G, 8, [4, 8], 0.9)
+    ff, bb = report["fast-dllm"], report["blockbatch"]
+    assert report["n_prompts"] == 2 and ff["nfe"] >= 1 and bb["nfe"] >= 1
+    ratios = report["blockbatch_vs_fast_dllm"]
+    assert ratios["nfe"] == pytest.approx(bb["nfe"] / ff["nfe"], abs=1e-3)
+    assert ratios["seconds_per_answer"] == pytest.approx(bb["seconds_per_answer"] / ff["seconds_per_answer"], rel=0.01)
+    assert ratios["accuracy_points"] == pytest.approx(100 * (bb["accuracy"] - ff["accuracy"]))
+
+
+def test_candidate_costs_serialise():
+    c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
+    assert c.to_dict() == {"block_sizes": [4, 8], "nfe": 2.5, "expected_seconds": 0.01, "measured_seconds": 0.012,
+                           "agreement": 1.0}
