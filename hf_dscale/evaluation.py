@@ -66,6 +66,21 @@ def _timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - start
 
 
+def method_generate_kwargs(method: str, drafter, vp_drafter=None, **method_kwargs) -> dict:
+    """The `target.generate` keyword arguments that decode with a `BENCH_METHODS` method through `custom_generate`
+    (extra keyword arguments such as `num_branches` pass through)."""
+    if method not in BENCH_METHODS:
+        raise ValueError(f"method must be one of {BENCH_METHODS}, got {method!r}.")
+    if (method == "d2sd") != (vp_drafter is not None):
+        raise ValueError("method 'd2sd' needs a VP drafter (--vp-drafter); 'dscale' and 'dscale-tree' take none.")
+    kwargs = dict(custom_generate=custom_generate, drafter=drafter, **method_kwargs)
+    if vp_drafter is not None:
+        kwargs["vp_drafter"] = vp_drafter
+    if method in ("dscale", "dscale-tree"):
+        kwargs["draft_tree"] = method == "dscale-tree"
+    return kwargs
+
+
 @torch.no_grad()
 def bench_speculative(
     target,
@@ -84,17 +99,9 @@ def bench_speculative(
     as a token tree; "d2sd" adds `vp_drafter` (extra keyword arguments such as `num_branches` go to
     `custom_generate`).
     """
-    if method not in BENCH_METHODS:
-        raise ValueError(f"method must be one of {BENCH_METHODS}, got {method!r}.")
-    if (method == "d2sd") != (vp_drafter is not None):
-        raise ValueError("method 'd2sd' needs a VP drafter (--vp-drafter); 'dscale' and 'dscale-tree' take none.")
     result = BenchResult(method=method)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    spec_kw = dict(custom_generate=custom_generate, drafter=drafter, **method_kwargs)
-    if vp_drafter is not None:
-        spec_kw["vp_drafter"] = vp_drafter
-    if method in ("dscale", "dscale-tree"):
-        spec_kw["draft_tree"] = method == "dscale-tree"
+    spec_kw = method_generate_kwargs(method, drafter, vp_drafter, **method_kwargs)
     warm = prompts[0][1]
     target.generate(warm, max_new_tokens=4, do_sample=False)
     target.generate(warm, max_new_tokens=4, do_sample=False, **spec_kw)
@@ -266,17 +273,16 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     return {"peers": report, "speedup": speedup, "per_prompt": per_prompt}
 
 
-def _left_pad(rows: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts [1, P_i] -> left-padded input ids and attention mask [B, max P_i], as a tokenizer pads for generate()."""
-    width = max(r.shape[1] for r in rows)
-    ids = rows[0].new_full((len(rows), width), pad_token_id)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - r.shape[1] :], mask[i, width - r.shape[1] :] = r[0], 1
-    return ids, mask
+def _batch(group: list[tuple[str, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (id, [1, P_i]) -> left-padded input ids and attention mask [B, max P_i] on their device."""
+    from .training.data import left_pad
+
+    device = group[0][1].device
+    ids, mask = left_pad([ids[0].tolist() for _, ids in group], pad_token_id)
+    return ids.to(device), mask.to(device)
 
 
-def _new_tokens(sequences: torch.Tensor, prompt_width: int, pad_token_id: int, eos: set[int]) -> int:
+def _new_tokens(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
     """Tokens generated per row up to and including its EOS (the rest is padding), summed over rows."""
     total = 0
     for row in sequences[:, prompt_width:].tolist():
@@ -286,11 +292,13 @@ def _new_tokens(sequences: torch.Tensor, prompt_width: int, pad_token_id: int, e
 
 
 @torch.no_grad()
-def bench_batched(target, prompts: list[tuple[str, torch.Tensor]], batch_size: int, max_new_tokens: int = 256,
-                  pad_token_id: int = 0, on_batch: Callable[[int], None] | None = None, **method_kwargs) -> dict:
+def bench_batched(target, drafter, prompts: list[tuple[str, torch.Tensor]], batch_size: int,
+                  max_new_tokens: int = 256, method: str = "auto", pad_token_id: int = 0,
+                  on_batch: Callable[[int], None] | None = None, vp_drafter=None, **method_kwargs) -> dict:
     """Throughput of a method on batches of `batch_size` left-padded prompts against the same method one prompt at a
     time and plain batched `generate()`, interleaved per batch, greedy; the batched output must equal plain
-    `generate()`'s on the same batch. `method_kwargs` go to `target.generate` (with `custom_generate=...`)."""
+    `generate()`'s on the same batch. `method` and the keyword arguments as in `bench_speculative`."""
+    method_kwargs = method_generate_kwargs(method, drafter, vp_drafter, **method_kwargs)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -300,24 +308,24 @@ def bench_batched(target, prompts: list[tuple[str, torch.Tensor]], batch_size: i
     ways = ("plain_batched", "method_batched", "method_batch_1")
     seconds, tokens = dict.fromkeys(ways, 0.0), dict.fromkeys(ways, 0)
     identical, stats = True, DecodeStats()
-    ids, mask = _left_pad([p[1] for p in groups[0]], pad_token_id)
+    ids, mask = _batch(groups[0], pad_token_id)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **method_kwargs)  # warm-up
     for g, group in enumerate(groups):
-        ids, mask = _left_pad([p[1] for p in group], pad_token_id)
+        ids, mask = _batch(group, pad_token_id)
         plain, t = _timed(lambda: target.generate(input_ids=ids, attention_mask=mask, **kw))
         seconds["plain_batched"] += t
-        tokens["plain_batched"] += _new_tokens(plain, ids.shape[1], pad_token_id, eos)
+        tokens["plain_batched"] += _new_tokens(plain, ids.shape[1], eos)
         group_stats = DecodeStats()
         out, t = _timed(lambda: target.generate(input_ids=ids, attention_mask=mask, **kw, **method_kwargs,
                                                 dscale_stats=group_stats))
         stats.merge(group_stats)
         seconds["method_batched"] += t
-        tokens["method_batched"] += _new_tokens(out, ids.shape[1], pad_token_id, eos)
+        tokens["method_batched"] += _new_tokens(out, ids.shape[1], eos)
         identical = identical and torch.equal(out, plain)
         for _, one in group:
             single, t = _timed(lambda: target.generate(one, **kw, **method_kwargs))
             seconds["method_batch_1"] += t
-            tokens["method_batch_1"] += _new_tokens(single, one.shape[1], pad_token_id, eos)
+            tokens["method_batch_1"] += _new_tokens(single, one.shape[1], eos)
         if on_batch is not None:
             on_batch(g)
     rate = {way: _significant(tokens[way] / max(seconds[way], 1e-9)) for way in ways}
@@ -328,50 +336,65 @@ def bench_batched(target, prompts: list[tuple[str, torch.Tensor]], batch_size: i
             "tau": round(stats.tau, 4), "plan": None if stats.plan is None else stats.plan.to_dict()}
 
 
+DLLM_METHODS = ("fast-dllm", "blockbatch")
+
+
+def _dllm_summary(totals: dict, n: int) -> dict:
+    """One method's means per answer from its totals over n problems."""
+    return {"nfe": round(totals["nfe"] / n, 3), "nfe_full": round(totals["full"] / n, 3),
+            "nfe_block": round(totals["block"] / n, 3), "accuracy": round(totals["correct"] / n, 4),
+            "tokens_per_s": round(totals["tokens"] / max(totals["seconds"], 1e-9), 3),
+            "seconds_per_answer": round(totals["seconds"] / n, 5),
+            "ms_per_nfe": round(1000 * totals["seconds"] / max(1, totals["nfe"]), 3),
+            "answer_tokens": round(totals["tokens"] / n, 2),
+            "query_tokens_per_nfe": round(totals["queries"] / max(1, totals["nfe"]), 2)}
+
+
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
                block_sizes=None, threshold: float = 0.9,
                on_problem: Callable[[int], None] | None = None) -> dict:
-    """Decode each problem with Fast-dLLM or BlockBatch; NFE, accuracy (final number) and speed."""
-    from .generation.dllm import BLOCK_SIZES, blockbatch_generate, fast_dllm_generate
+    """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`; None: the paper's set), or with both
+    (`method="both"`): NFE, accuracy (final number) and speed per method.
+
+    "both" interleaves the two methods problem by problem (which goes first alternates), so that a change in the
+    machine's speed during the run falls on both alike, and adds their ratios and the share of identical answers.
+    """
+    from .generation.dllm import blockbatch_generate, fast_dllm_generate
     from .training.dllm_tasks import final_answer
     from .training.dllm_trainer import encode
 
-    block_sizes = BLOCK_SIZES if block_sizes is None else block_sizes
+    if method not in (*DLLM_METHODS, "both"):
+        raise ValueError(f"method must be fast-dllm, blockbatch or both, got {method!r}.")
+    methods = DLLM_METHODS if method == "both" else (method,)
+    run = {"fast-dllm": lambda q: fast_dllm_generate(model, q, gen_length, block_size, threshold),
+           "blockbatch": lambda q: blockbatch_generate(model, q, gen_length, block_sizes, threshold)}
     device = next(model.model.parameters()).device
-    nfe, correct, tokens, seconds, queries = [], 0, 0, 0.0, 0
-    full = block = 0
+    totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)
+              for m in methods}
+    same = 0
     for i, problem in enumerate(problems):
-        prompt, _ = encode(tokenizer, [problem], gen_length, with_answers=False)
-        prompt = prompt.to(device)
-        if method == "fast-dllm":
-            run = lambda: fast_dllm_generate(model, prompt, gen_length, block_size, threshold)  # noqa: E731
-        elif method == "blockbatch":
-            run = lambda: blockbatch_generate(model, prompt, gen_length, block_sizes, threshold)  # noqa: E731
-        else:
-            raise ValueError(f"method must be fast-dllm or blockbatch, got {method!r}.")
-        result, wall = _timed(run)
-        answer = result.sequence[prompt.shape[1] :]
-        text = tokenizer.decode(answer, skip_special_tokens=True)
-        correct += int(final_answer(text) == problem.answer)
-        nfe.append(result.nfe)
-        queries += result.query_tokens
-        full, block = full + result.nfe_full, block + result.nfe_block
-        tokens += answer.numel()
-        seconds += wall
+        prompt = encode(tokenizer, [problem], gen_length, with_answers=False)[0].to(device)
+        answers = {}
+        for m in (methods if i % 2 == 0 else methods[::-1]):
+            result, seconds = _timed(lambda: run[m](prompt))
+            answers[m] = answer = result.sequence[prompt.shape[1] :]
+            correct = final_answer(tokenizer.decode(answer, skip_special_tokens=True)) == problem.answer
+            for key, value in (("seconds", seconds), ("correct", int(correct)), ("nfe", result.nfe),
+                               ("full", result.nfe_full), ("block", result.nfe_block), ("tokens", answer.numel()),
+                               ("queries", result.query_tokens)):
+                totals[m][key] += value
+        if method == "both":
+            same += int(torch.equal(answers["fast-dllm"], answers["blockbatch"]))
         if on_problem is not None:
             on_problem(i)
     n = max(1, len(problems))
-    return {
-        "method": method,
-        "n_prompts": len(problems),
-        "nfe": round(sum(nfe) / n, 3),
-        "nfe_full": round(full / n, 3),
-        "nfe_block": round(block / n, 3),
-        "accuracy": round(correct / n, 4),
-        "tokens_per_s": round(tokens / max(seconds, 1e-9), 3),
-        "seconds_per_answer": round(seconds / n, 4),
-        "ms_per_nfe": round(1000 * seconds / max(1, sum(nfe)), 3),
-        "answer_tokens": round(tokens / n, 2),
-        "query_tokens_per_nfe": round(queries / max(1, sum(nfe)), 2),
-    }
+    if method != "both":
+        return {"method": method, "n_prompts": len(problems), **_dllm_summary(totals[method], n)}
+    ff, bb = totals["fast-dllm"], totals["blockbatch"]
+    return {"method": "both", "n_prompts": len(problems), "identical_answers": round(same / n, 4),
+            **{m: _dllm_summary(totals[m], n) for m in methods},
+            "blockbatch_vs_fast_dllm": {
+                "nfe": round(bb["nfe"] / max(1, ff["nfe"]), 4),
+                "seconds_per_answer": round(bb["seconds"] / max(ff["seconds"], 1e-9), 4),
+                "accuracy_points": round(100 * (bb["correct"] - ff["correct"]) / n, 2)}}

@@ -78,6 +78,19 @@ def _prompt_ids(args, tokenizer, device) -> list:
             for row in read_prompts(args.prompts, args.limit)]
 
 
+def _method_options(args, target) -> dict:
+    """The keyword arguments of `bench_speculative` / `bench_batched` that --method and its options ask for."""
+    options = {"draft_confidence": args.draft_confidence}
+    if args.method == "d2sd":
+        options |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
+                        branch_policy=args.branch_policy)
+    elif args.method == "dscale-tree":
+        options |= dict(num_branches=args.num_branches)
+    if args.prompt_lookup:
+        options |= dict(prompt_lookup=True)
+    return options
+
+
 def main(args) -> int:
     from tqdm.auto import tqdm
 
@@ -85,24 +98,17 @@ def main(args) -> int:
 
     if args.peers:
         return _peers(args)
-    if args.batch_size > 1:
-        return _batched(args)
     if (args.method == "d2sd") != (args.vp_drafter is not None):
         raise ValueError("--method d2sd needs --vp-drafter PATH (a variable-prefix drafter); dscale and "
                          "dscale-tree take none.")
     if args.prompt_lookup and args.method in ("auto", "dscale"):
         raise ValueError("--prompt-lookup adds a branch to a token tree: use --method dscale-tree (or d2sd).")
+    if args.batch_size > 1:
+        return _batched(args)
     if args.plot:
         _pyplot()
     target, tokenizer, drafter = load_models(args)
-    extra = {"draft_confidence": args.draft_confidence}
-    if args.method == "d2sd":
-        extra |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
-                      branch_policy=args.branch_policy)
-    elif args.method == "dscale-tree":
-        extra |= dict(num_branches=args.num_branches)
-    if args.prompt_lookup:
-        extra |= dict(prompt_lookup=True)
+    extra = _method_options(args, target)
     prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {args.method}", unit="prompt")
     result = bench_speculative(target, drafter, prompts, args.max_new_tokens, args.method,
@@ -167,21 +173,15 @@ def _batched(args) -> int:
     from tqdm.auto import tqdm
 
     from ..evaluation import bench_batched
-    from ..generation import custom_generate
 
     target, tokenizer, drafter = load_models(args)
-    kwargs = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=args.draft_confidence)
-    if args.method == "d2sd":
-        kwargs |= dict(vp_drafter=load_drafter(args.vp_drafter, target), num_branches=args.num_branches,
-                       branch_policy=args.branch_policy)
-    elif args.method in ("dscale", "dscale-tree"):
-        kwargs |= dict(draft_tree=args.method == "dscale-tree", prompt_lookup=args.prompt_lookup or None)
+    options = _method_options(args, target)
     prompts = _prompt_ids(args, tokenizer, target.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = tqdm(total=len(prompts) // args.batch_size, desc=f"bench {args.method} at batch {args.batch_size}",
                unit="batch")
-    result = bench_batched(target, prompts, args.batch_size, args.max_new_tokens, pad_token_id=pad,
-                           on_batch=lambda g: bar.update(1), **kwargs)
+    result = bench_batched(target, drafter, prompts, args.batch_size, args.max_new_tokens, args.method,
+                           pad_token_id=pad, on_batch=lambda g: bar.update(1), **options)
     bar.close()
     report = {"command": args.command_line, "method": args.method, "target": args.target, "drafter": args.drafter,
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, **result, "device": str(target.device),

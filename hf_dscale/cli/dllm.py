@@ -132,12 +132,8 @@ def bench_main(args) -> int:
         block_sizes = list(plan.block_sizes)
         print(_describe_plan(plan, plan_seconds), file=sys.stderr)
     bar = tqdm(total=len(problems), desc=f"bench-dllm {args.method}", unit="problem")
-    if args.method == "both":
-        report = _bench_both(dlm, tokenizer, problems, gen_length, args.block_size, block_sizes, args.threshold,
-                             on_problem=lambda i: bar.update(1))
-    else:
-        report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
-                            block_sizes=block_sizes, threshold=args.threshold, on_problem=lambda i: bar.update(1))
+    report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
+                        block_sizes=block_sizes, threshold=args.threshold, on_problem=lambda i: bar.update(1))
     bar.close()
     if args.method != "fast-dllm":
         report["block_sizes"] = block_sizes
@@ -173,60 +169,3 @@ def _describe_plan(plan, seconds: float) -> str:
     return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}\n"
             f"  full forward of length {plan.seq_len}: {costs}\n"
             f"  block forward, 1 / {n} rows by window: {block}\n  {plan.reason}")
-
-
-def _bench_both(dlm, tokenizer, problems, gen_length: int, block_size: int, block_sizes, threshold: float,
-                on_problem=None) -> dict:
-    """Fast-dLLM and BlockBatch on the same problems, interleaved (which goes first alternates), so that a change
-    in the machine's speed during the run falls on both alike; each method's numbers as `bench_dllm` defines them."""
-    import time
-
-    import torch
-
-    from ..generation.dllm import blockbatch_generate, fast_dllm_generate
-    from ..training.dllm_tasks import final_answer
-    from ..training.dllm_trainer import encode
-
-    device = next(dlm.model.parameters()).device
-    methods = {"fast-dllm": lambda q: fast_dllm_generate(dlm, q, gen_length, block_size, threshold),
-               "blockbatch": lambda q: blockbatch_generate(dlm, q, gen_length, block_sizes, threshold)}
-    totals = {m: {"nfe": 0, "full": 0, "block": 0, "correct": 0, "tokens": 0, "seconds": 0.0, "queries": 0}
-              for m in methods}
-    same = 0
-    for i, problem in enumerate(problems):
-        prompt = encode(tokenizer, [problem], gen_length, with_answers=False)[0].to(device)
-        answers = {}
-        for m in (list(methods) if i % 2 == 0 else list(methods)[::-1]):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            result = methods[m](prompt)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - start
-            answers[m] = answer = result.sequence[prompt.shape[1] :]
-            correct = final_answer(tokenizer.decode(answer, skip_special_tokens=True)) == problem.answer
-            for key, value in (("seconds", seconds), ("correct", int(correct)), ("nfe", result.nfe),
-                               ("full", result.nfe_full), ("block", result.nfe_block), ("tokens", answer.numel()),
-                               ("queries", result.query_tokens)):
-                totals[m][key] += value
-        same += int(torch.equal(answers["fast-dllm"], answers["blockbatch"]))
-        if on_problem is not None:
-            on_problem(i)
-    n = max(1, len(problems))
-    report = {"method": "both", "n_prompts": len(problems), "identical_answers": round(same / n, 4)}
-    for m, t in totals.items():
-        report[m] = {"nfe": round(t["nfe"] / n, 3), "nfe_full": round(t["full"] / n, 3),
-                     "nfe_block": round(t["block"] / n, 3), "accuracy": round(t["correct"] / n, 4),
-                     "tokens_per_s": round(t["tokens"] / max(t["seconds"], 1e-9), 3),
-                     "seconds_per_answer": round(t["seconds"] / n, 5),
-                     "ms_per_nfe": round(1000 * t["seconds"] / max(1, t["nfe"]), 3),
-                     "answer_tokens": round(t["tokens"] / n, 2),
-                     "query_tokens_per_nfe": round(t["queries"] / max(1, t["nfe"]), 2)}
-    ff, bb = totals["fast-dllm"], totals["blockbatch"]
-    report["blockbatch_vs_fast_dllm"] = {
-        "nfe": round(bb["nfe"] / max(1, ff["nfe"]), 4),
-        "seconds_per_answer": round(bb["seconds"] / max(ff["seconds"], 1e-9), 4),
-        "accuracy_points": round(100 * (bb["correct"] - ff["correct"]) / n, 2),
-    }
-    return report

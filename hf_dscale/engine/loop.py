@@ -237,7 +237,7 @@ class Engine:
         self.stats.verified.append(verify.ids.shape[1])
 
 
-def _check_inputs(target, drafter, vp_drafter, input_ids, streamer, plan: Plan) -> None:
+def _check_inputs(drafter, vp_drafter, input_ids, streamer) -> None:
     if input_ids.shape[0] > 1 and streamer is not None:
         raise ValueError("Streamers support batch size 1 only.")
     if vp_drafter is not None:
@@ -247,7 +247,9 @@ def _check_inputs(target, drafter, vp_drafter, input_ids, streamer, plan: Plan) 
                 f"({drafter.config.block_size}); D²SD verifies branches of the first drafter's width.")
         if vp_drafter.config.mask_token_id is None:
             raise ValueError("The VP drafter has no mask_token_id; set it in its config.")
-    attn = compat.attention_implementation(target)
+
+
+def _check_attention(attn: str, plan: Plan) -> None:
     if plan.tree and (attn.startswith("flash") or attn == "flex_attention"):
         raise ValueError(
             f"D²SD and draft_tree verify a token tree with a 4D attention mask, which the target's attn_implementation "
@@ -284,6 +286,7 @@ def decode(
     """
     if plan is not None and any(value is not None for value in options.values()):
         raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")
+    _check_inputs(drafter, vp_drafter, input_ids, streamer)
     for model in (drafter, vp_drafter):
         if model is not None and model.target is not target:
             model.bind_target(target)
@@ -291,8 +294,8 @@ def decode(
         options = {name: value for name, value in options.items() if value is not None}
         plan = plan_for(target, drafter, vp_drafter=vp_drafter, batch_size=input_ids.shape[0], do_sample=do_sample,
                         **options)
-    _check_inputs(target, drafter, vp_drafter, input_ids, streamer, plan)
     attn = compat.attention_implementation(target)
+    _check_attention(attn, plan)
     if tree_kernel is None:
         tree_kernel = plan.tree and input_ids.device.type == "cuda" and triton_usable(input_ids.device) and \
             attn in ("sdpa", "eager")

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..generation import target_forward
-from ..models.dscale import assistant
 from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
@@ -110,6 +109,9 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     if vp_drafter is not None:
         tree, lookup_default = True, False
         reasons.append("tree: a VP drafter was given (D²SD)")
+    elif tree is None and prompt_lookup:
+        tree, lookup_default = True, True
+        reasons.append("tree: a prompt lookup adds a path to a token tree")
     elif tree is None:
         tree, lookup_default = not do_sample, not do_sample
         reasons.append("tree: the own tree sized by verify costs (a chain where no branch pays)" if tree else
@@ -120,7 +122,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     if prompt_lookup is None:
         prompt_lookup = lookup_default and tree
     elif prompt_lookup and not tree:
-        raise ValueError("prompt_lookup adds a path to a token tree: pass draft_tree=True as well (or a vp_drafter).")
+        raise ValueError("prompt_lookup adds a path to a token tree: drop draft_tree=False (or pass a vp_drafter).")
 
     confidence = resolve_draft_confidence(draft_confidence, device)
     if draft_confidence is None and tree and vp_drafter is None:
@@ -139,17 +141,15 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
                    "verify with the target's own forward")
     forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
-    costs = minimum = None
-    if confidence == AUTO:
-        costs = assistant.verify_costs_for(target, max_width, batch_size, forward)
+    cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what the setting needs
+    if cut.costs is not None:
         reasons.append(f"draft_confidence auto: verify widths chosen each cycle from the costs of 1..{max_width} "
                        f"tokens at batch {batch_size}")
-    elif confidence > 0:
-        minimum = assistant.min_drafts_for(target, forward)
-        reasons.append(f"draft_confidence {confidence}: at least {minimum} drafts (the widest cheap verify)")
+    elif cut.minimum is not None:
+        reasons.append(f"draft_confidence {confidence}: at least {cut.minimum} drafts (the widest cheap verify)")
     return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
                 num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
-                min_drafts=minimum, transposed=transposed, verify_costs=costs,
+                min_drafts=cut.minimum, transposed=transposed, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start, reasons=tuple(reasons))
 
 

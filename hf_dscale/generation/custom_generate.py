@@ -82,12 +82,6 @@ def generate(
         draft_confidence = getattr(drafter, "draft_confidence", None)
     if generation_config.num_beams not in (None, 1) or (generation_config.num_return_sequences or 1) != 1:
         raise ValueError("hf_dscale speculative decoding supports num_beams=1 and num_return_sequences=1.")
-    if prompt_lookup and vp_drafter is None and draft_tree is False:
-        raise ValueError("prompt_lookup adds a branch to a token tree: drop draft_tree=False (or pass a vp_drafter).")
-    if prompt_lookup and draft_tree is None and vp_drafter is None:
-        draft_tree = True
-    if streamer_ is not None and input_ids.shape[0] != 1:
-        raise ValueError("Streamers support batch size 1 only.")
     pad = generation_config.pad_token_id
     if pad is None:
         eos = generation_config.eos_token_id

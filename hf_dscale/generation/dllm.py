@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.dllm import DiffusionModel
+from ..models.dscale.assistant import median_seconds
 
 TOPK = 4  # token probabilities kept per position for the merge gate
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's default set
@@ -431,7 +432,8 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: int, shapes, repeats: int = 5,
                        clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Median seconds of one model call per shape (kind, rows, queries) at the real sequence length; prompt [1, P].
+    """Median seconds of one model call per shape (kind, rows, queries) at the real sequence length (`median_seconds`);
+    prompt [1, P].
 
     The repeats are interleaved across shapes, so a change in the machine's speed (another process, clock
     scaling) falls on every shape alike. Inputs are the prompt then masks, one copy per row; a block call of r rows
@@ -458,15 +460,7 @@ def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         calls[(kind, rows, queries)] = lambda x=x, t=targets, w=write, c=cache: model.block(x, t, w, c)
     for call in calls.values():  # warm-up: first-call allocations are not a step's cost
         call()
-    times = {shape: [] for shape in calls}
-    for _ in range(repeats):
-        for shape, call in calls.items():
-            _sync(device)
-            start = clock()
-            call()
-            _sync(device)
-            times[shape].append(clock() - start)
-    return {shape: sorted(t)[len(t) // 2] for shape, t in times.items()}
+    return median_seconds(calls, repeats, clock, lambda: _sync(device))
 
 
 def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_length: int,

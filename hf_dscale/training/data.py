@@ -88,7 +88,7 @@ def _atomic_json(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [N, W] and attention mask [N, W] of token lists padded on the left to the longest."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -122,7 +122,7 @@ def length_sorted_batches(lengths: list[int], batch_size: int, window: int = 8) 
 @torch.no_grad()
 def _answer_batch(target, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
     """Greedy answers for a batch of rendered prompts -> list of response id lists (EOS kept)."""
-    ids, mask = _left_pad(prompts, pad_id)
+    ids, mask = left_pad(prompts, pad_id)
     width = ids.shape[1]
     device = target.device
     out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,

@@ -14,15 +14,8 @@ from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.generation.tree import TokenTree
 from hf_dscale.models.dscale import assistant, compat
 
-from ..conftest import OracleDrafter, cpu_like_costs, oracle_from, tiny_drafter, tiny_target
-from ..generation.test_exactness import _prompt
-
-
-def _oracle(target, reference, mask, error_rate, seed=0):
-    drafter = tiny_drafter(target, cls=OracleDrafter)
-    drafter.oracle, drafter.error_rate = oracle_from(reference, mask), error_rate
-    torch.manual_seed(seed)
-    return drafter
+from ..conftest import cpu_like_costs, tiny_drafter, tiny_target
+from ..generation.test_exactness import _oracle, _prompt
 
 
 # ------------------------------------------------------------------------------------------------- plan

@@ -189,7 +189,7 @@ def test_a_refresh_runs_each_distinct_row_once():
 
 
 def test_bench_both_reports_the_two_methods_side_by_side():
-    from hf_dscale.cli.dllm import _bench_both
+    from hf_dscale.evaluation import bench_dllm
     from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
     from hf_dscale.training.dllm_tasks import build_tokenizer, make_problems
 
@@ -200,7 +200,7 @@ def test_bench_both_reports_the_two_methods_side_by_side():
                                eos_token_id=tokenizer.eos_token_id)
     dlm = DiffusionModel(DiffusionLM(config).eval())
     problems = make_problems("arithmetic", 2, seed=3, heldout=True)
-    report = _bench_both(dlm, tokenizer, problems, G, 8, [4, 8], 0.9)
+    report = bench_dllm(dlm, tokenizer, problems, "both", G, 8, [4, 8], 0.9)
     ff, bb = report["fast-dllm"], report["blockbatch"]
     assert report["n_prompts"] == 2 and ff["nfe"] >= 1 and bb["nfe"] >= 1
     ratios = report["blockbatch_vs_fast_dllm"]
