@@ -148,7 +148,9 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
       also compiles where it compiles by default (a GPU);
     * `transformers-prompt-lookup`: transformers' prompt lookup (`prompt_lookup_num_tokens`);
     * `transformers-dflash`: transformers' own DFlash assisted decoding with the drafter
-      (`speculation_type="dflash"`), where the installed transformers taps the right layers;
+      (`speculation_type="dflash"`), where the installed transformers taps the right layers, and
+      `transformers-dflash-static` the same with a static cache (left out of the report, with the reason, where
+      the installed transformers refuses it);
     * `assistant_model`: transformers' assisted decoding with the drafter;
     * `dscale-auto` (what `custom_generate` does with no method options: the engine's plan chooses), `dscale` (the
       chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`.
@@ -162,7 +164,9 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         Peer("transformers-prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}),
     ]
     if native_dflash_reads_layer_outputs():
-        peers.append(Peer("transformers-dflash", {"assistant_model": drafter, "speculation_type": "dflash"}))
+        dflash = {"assistant_model": drafter, "speculation_type": "dflash"}
+        peers += [Peer("transformers-dflash", dflash),
+                  Peer("transformers-dflash-static", dict(dflash, cache_implementation="static"))]
     peers += [
         Peer("assistant_model", {"assistant_model": drafter}),
         Peer("dscale-auto", ours, dscale=True),
@@ -220,24 +224,45 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     that no peer always runs first); outputs compared with the first peer's (plain `generate()`).
 
     Each peer runs once untimed on the first prompt before the timed runs (`warmup_s`: compilation, one-time
-    calibrations). Returns {"peers": {name: tokens_per_s, seconds, new_tokens, identical, mismatches, tau,
-    warmup_s, peak_memory_bytes}, "speedup": {a: {b: tokens/s of a over tokens/s of b}}, "per_prompt": [...]}.
+    calibrations). A transformers peer other than the first that raises (a combination the installed transformers
+    refuses, or fails on: its DFlash with a static cache can overrun the cache) is left out from then on and its
+    error kept in `refused`; hf_dscale's own peers never are. Returns {"peers": {name: tokens_per_s, seconds,
+    new_tokens, identical, mismatches, tau, warmup_s, peak_memory_bytes}, "speedup": {a: {b: tokens/s of a over
+    tokens/s of b}}, "refused": {name: error}, "per_prompt": [...]}.
     """
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
     totals = {p.name: {"seconds": 0.0, "new_tokens": 0, "identical": True, "mismatches": [], "stats": DecodeStats(),
                        "peak": None, "warmup_s": 0.0} for p in peers}
     device = target.device
+    refused = {}
+
+    def run(peer: Peer, prompt: str, call: Callable):
+        """call(), or None once a transformers peer has raised (it is then left out)."""
+        if peer.dscale or peer is peers[0]:
+            return call()
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - reported in the JSON, the peer left out
+            refused[peer.name] = f"{type(error).__name__} on {prompt}: {error}"
+            return None
+
     for peer in peers:
-        _, totals[peer.name]["warmup_s"] = _timed(lambda: target.generate(prompts[0][1], **kw, **peer.kwargs))
+        warm = run(peer, prompts[0][0], lambda: _timed(lambda: target.generate(prompts[0][1], **kw, **peer.kwargs)))
+        if warm is not None:
+            totals[peer.name]["warmup_s"] = warm[1]
     per_prompt = []
     for i, (name, ids) in enumerate(prompts):
         outputs, row = {}, {"id": name}
+        peers = [p for p in peers if p.name not in refused]
         order = peers[i % len(peers):] + peers[: i % len(peers)]
         for peer in order:
             total, stats = totals[peer.name], DecodeStats()
             extra = {"dscale_stats": stats} if peer.dscale else {}
             with _PeakMemory(device) as peak:
-                out, seconds = _timed(lambda: target.generate(ids, **kw, **peer.kwargs, **extra))
+                done = run(peer, name, lambda: _timed(lambda: target.generate(ids, **kw, **peer.kwargs, **extra)))
+            if done is None:
+                continue
+            out, seconds = done
             outputs[peer.name] = out
             total["seconds"] += seconds
             total["new_tokens"] += out.shape[1] - ids.shape[1]
@@ -245,6 +270,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
             if peak.bytes is not None:
                 total["peak"] = max(total["peak"] or 0, peak.bytes)
             row[peer.name] = {"seconds": round(seconds, 6), "new_tokens": out.shape[1] - ids.shape[1]}
+        peers = [p for p in peers if p.name not in refused]
         reference = outputs[peers[0].name]
         for peer in peers:
             same = torch.equal(outputs[peer.name], reference)
@@ -255,6 +281,9 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
         per_prompt.append(row)
         if on_prompt is not None:
             on_prompt(i)
+    for row in per_prompt:  # a peer left out is left out of every prompt's row
+        for gone in set(row) & set(refused):
+            del row[gone]
     report = {}
     for peer in peers:
         total = totals[peer.name]
@@ -270,7 +299,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
         }
     speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}
                for a in report}
-    return {"peers": report, "speedup": speedup, "per_prompt": per_prompt}
+    return {"peers": report, "speedup": speedup, "refused": refused, "per_prompt": per_prompt}
 
 
 def _batch(group: list[tuple[str, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

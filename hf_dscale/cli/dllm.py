@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     t.add_argument("--save-every", type=int, default=250)
     t.add_argument("--seed", type=int, default=0, help="the training problems drawn (use a new one when continuing)")
     t.add_argument("--init-from", default=None,
-                   help="continue from a trained DiffusionLM folder (its size and tokenizer; a fresh schedule)")
+                   help="continue from a trained DiffusionLM folder (its size and tokenizer; a fresh schedule). "
+                   "With another --task, the new task's words are added to its vocabulary")
     t.add_argument("--device", default="auto")
     t.set_defaults(func=train_main)
 
@@ -56,7 +57,7 @@ def train_main(args) -> int:
 
     from ..models.dllm import DiffusionLM, DiffusionLMConfig
     from ..training.dllm_tasks import build_tokenizer
-    from ..training.dllm_trainer import DLLMTrainConfig, train_dllm
+    from ..training.dllm_trainer import DLLMTrainConfig, extend_vocabulary, train_dllm
     from .common import pick_device, training_progress
 
     device = pick_device(args.device)
@@ -65,13 +66,13 @@ def train_main(args) -> int:
         from transformers import AutoTokenizer
 
         model = DiffusionLM.from_pretrained(args.init_from)
-        if model.config.task != args.task:
-            raise ValueError(f"--init-from {args.init_from} was trained on task {model.config.task!r}, not "
-                             f"{args.task!r}; pass --task {model.config.task}.")
         tokenizer = AutoTokenizer.from_pretrained(args.init_from)
+        if model.config.task != args.task:  # a new task: its vocabulary must extend the model's
+            tokenizer = build_tokenizer(args.task)
+            extend_vocabulary(model, AutoTokenizer.from_pretrained(args.init_from), tokenizer, args.task)
         args.gen_length = model.config.gen_length
     else:
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(args.task)
         config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
                                    intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
                                    num_attention_heads=args.heads, mask_token_id=tokenizer.mask_token_id,
@@ -149,15 +150,20 @@ def bench_main(args) -> int:
 def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
     """BlockBatch's branches planned on training-split problems (the held-out ones are what the bench reports)."""
     from ..generation.dllm import BLOCK_SIZES, plan_blockbatch
-    from ..training.dllm_tasks import make_problems
+    from ..training.dllm_tasks import final_answer, make_problems
     from ..training.dllm_trainer import encode
 
     # never more calibration problems than the bench decodes: the plan should cost less than what it plans
     calibration = make_problems(task, min(args.plan_prompts, args.limit), seed=args.seed, heldout=False)
     prompts = [encode(tokenizer, [p], gen_length, with_answers=False)[0] for p in calibration]
     candidates = [b for b in BLOCK_SIZES if gen_length % b == 0]
+
+    def same_answer(a, b) -> bool:  # answers may be worded freely (the stories task): what is checked must agree
+        found = [final_answer(tokenizer.decode(x, skip_special_tokens=True)) for x in (a, b)]
+        return found[0] is not None and found[0] == found[1]
+
     return plan_blockbatch(dlm, prompts, gen_length, candidates, device, threshold=args.threshold,
-                           min_branches=min(args.min_branches, len(candidates)))
+                           min_branches=min(args.min_branches, len(candidates)), agree=same_answer)
 
 
 def _describe_plan(plan, seconds: float) -> str:

@@ -9,7 +9,8 @@
   anchor + depth and an ancestor-only mask (a batch of equal chains takes a plain padding mask).
 * **accept**: the target walks each tree (`accept.py`).
 * **commit**: each row's accepted path keeps its K/V, packed by index after the cache's columns; the rest is
-  cropped. Rows advance at different speeds, so the cache is a rectangle of *columns* with holes: a row whose
+  cropped, which only shortens the view of buffers allocated ahead for the whole generation (`compat.position_cache`:
+  the next verify writes over the rejected entries). Rows advance at different speeds, so the cache is a rectangle of *columns* with holes: a row whose
   path is shorter than the longest leaves masked columns. Position ids count only a row's valid tokens, so every
   row sees exactly the sequence plain `generate()` would feed it, and the drafters' context caches mirror the same
   columns. Targets with sliding-window layers get their masks by position (`generation/masks.py`).
@@ -42,22 +43,21 @@ class Engine:
     """The loop's fixed parts (models, plan, caches, processors) and its moving state (columns, anchors)."""
 
     def __init__(self, target, drafter, plan: Plan, rows: Rows, *, vp_drafter=None, processors=None, criteria=None,
-                 do_sample: bool = False, streamer=None, cache=None):
+                 do_sample: bool = False, streamer=None, capacity: int = 0):
         self.target, self.drafter, self.vp_drafter, self.plan, self.rows = target, drafter, vp_drafter, plan, rows
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
         self.forward, self.cut = plan.forward(target), plan.cut()
         self.attention = TargetAttention.of(target)
-        if self.attention.sliding:  # crops and tree paths need every position; the masks apply the window
-            cache = compat.new_cache(target, full=True)
-        self.cache = cache if cache is not None else compat.new_cache(target)
+        # Every position in every layer (the masks apply any window), written in place in buffers allocated ahead
+        self.cache = compat.position_cache(capacity)
         layer_ids = sorted(set(drafter.config.target_layer_ids)
                            | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
         self.recorder = TapRecorder(target, layer_ids)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
-        self.dcache = DraftContextCache(drafter.config.num_hidden_layers)
+        self.dcache = DraftContextCache(drafter.config.num_hidden_layers, capacity)
         if vp_drafter is not None:
             self.vp_tap_index = [layer_ids.index(i) for i in vp_drafter.config.target_layer_ids]
-            self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers)
+            self.vp_cache = DraftContextCache(vp_drafter.config.num_hidden_layers, capacity)
         self.stats = DecodeStats(plan=plan)
         self.overhead_s = 0.0  # drafting and bookkeeping of the cycles so far: what the throughput cut adds to a verify
         # Moving state, set by prefill: valid [B, C] over cache columns; each row's anchor (last committed token, not
@@ -237,7 +237,10 @@ class Engine:
         self.stats.verified.append(verify.ids.shape[1])
 
 
-def _check_inputs(drafter, vp_drafter, input_ids, streamer) -> None:
+def _check_inputs(drafter, vp_drafter, input_ids, streamer, cache) -> None:
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(f"The cache passed in already holds {cache.get_seq_length()} positions; hf_dscale decodes from "
+                         "the prompt with a cache of its own: pass no past_key_values (or an empty cache).")
     if input_ids.shape[0] > 1 and streamer is not None:
         raise ValueError("Streamers support batch size 1 only.")
     if vp_drafter is not None:
@@ -277,7 +280,8 @@ def decode(
 ) -> tuple[torch.LongTensor, DecodeStats]:
     """Speculative decoding until every row meets a stopping criterion: sequences [B, P + N] and stats.
 
-    Exact for greedy decoding, lossless for sampling. `plan`: how to decode (`calibrate`); without one, the plan for
+    Exact for greedy decoding, lossless for sampling. `cache`: an empty cache `generate()` prepared, or None; the
+    engine decodes with its own (`compat.position_cache`, sized from a `max_length` stopping criterion). `plan`: how to decode (`calibrate`); without one, the plan for
     this target, batch size and `options` (`tree`, `prompt_lookup`, `num_branches`, `branch_policy`,
     `draft_confidence`; see `calibrate`) is measured once and kept on the drafter (`plan_for`). It is returned in
     `stats.plan`. Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `tree_kernel`
@@ -286,7 +290,7 @@ def decode(
     """
     if plan is not None and any(value is not None for value in options.values()):
         raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")
-    _check_inputs(drafter, vp_drafter, input_ids, streamer)
+    _check_inputs(drafter, vp_drafter, input_ids, streamer, cache)
     for model in (drafter, vp_drafter):
         if model is not None and model.target is not target:
             model.bind_target(target)
@@ -305,8 +309,10 @@ def decode(
     pad_finished = input_ids.shape[0] == 1 or stopping_criteria is None or \
         any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     rows = Rows.start(input_ids, pad_finished)
+    lengths = [c.max_length for c in stopping_criteria or () if isinstance(getattr(c, "max_length", None), int)]
+    capacity = min(lengths) + drafter.config.block_size * 2 if lengths else 0  # + the widest verify beyond the end
     engine = Engine(target, drafter, plan, rows, vp_drafter=vp_drafter, processors=logits_processor,
-                    criteria=stopping_criteria, do_sample=do_sample, streamer=streamer, cache=cache)
+                    criteria=stopping_criteria, do_sample=do_sample, streamer=streamer, capacity=capacity)
     if tree_kernel:
         target.set_attn_implementation(register_tree_attention())
     try:

@@ -467,7 +467,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     candidate_block_sizes: Sequence[int] = BLOCK_SIZES, device=None, *, threshold: float = 0.9,
                     min_branches: int = 2, min_gain: float = 0.05, min_agreement: float = 0.9,
                     step_seconds: Callable[[str, int, int], float] | None = None, repeats: int = 5,
-                    clock: Callable[[], float] = time.perf_counter) -> BlockBatchPlan:
+                    clock: Callable[[], float] = time.perf_counter,
+                    agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of
@@ -479,8 +480,11 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     addition lowers the expected seconds most, while fewer than `min_branches` or while it saves at least
     `min_gain` of them. The margin stands for the host bookkeeping (merge, sync, one commit per branch per step),
     which grows with the branches and is not priced. A set qualifies only if at least `min_agreement` of its
-    answers equal those of the reference set (all candidate sizes: the paper's BlockBatch); when the search ends
-    on one that does not, the plan is the reference. `device` moves the prompts; `clock` and `repeats` time.
+    answers agree with those of the reference set (all candidate sizes: the paper's BlockBatch); when the search
+    ends on one that does not, the plan is the reference. `agree(a, b)` says whether two answers to one prompt count
+    as the same: token for token by default; where an answer may be worded freely, pass one that compares what is
+    checked (`hf-dscale bench-dllm` compares the task's final answers). `device` moves the prompts; `clock` and
+    `repeats` time.
 
     `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
 
@@ -519,7 +523,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                 wall += clock() - start
             answers[combo] = [r.sequence for r in results]
             reference = answers.get(sizes, answers[combo])
-            same = sum(torch.equal(a, b) for a, b in zip(answers[combo], reference))
+            same = sum(bool(agree(a, b)) for a, b in zip(answers[combo], reference))
             seconds = sum(priced[(kind, rows, seq_len if kind == "full" else queries)]  # full: at seq_len
                           for r in results for kind, rows, queries in r.forwards)
             n = len(prompts)

@@ -8,8 +8,7 @@ shrink by the holes and reach across siblings. So for such a target the decoders
 *positions* (a row's own token count, as plain `generate()` sees it): a query at position p sees an allowed key at
 position p' when p - p' < window, for each kind of layer, and hand them over as transformers takes prepared
 masks: one 4D mask when every layer has the same window, else a dict keyed by `config.layer_types`. The target's
-cache keeps every position in every layer (a `DynamicCache` without sliding layers, `compat.new_cache(...,
-full=True)`), so that a rejected block can be cropped and a tree's path kept; the window lives in the mask.
+cache keeps every position in every layer (`compat.position_cache`, no sliding layers), so that a rejected block can be cropped and a tree's path kept; the window lives in the mask.
 
 Targets with only full-attention layers keep transformers' own masks (a 2D padding mask for a chain).
 """

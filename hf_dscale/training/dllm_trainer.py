@@ -104,6 +104,30 @@ def diffusion_loss(model: DiffusionLM, ids, answer_mask, generator: torch.Genera
     return loss, accuracy
 
 
+def extend_vocabulary(model: DiffusionLM, old_tokenizer, new_tokenizer, task: str) -> None:
+    """Continue `model` on another task: grow its embeddings and output layer to `new_tokenizer`.
+
+    Every token of `old_tokenizer` must keep its id in `new_tokenizer` (a task's vocabulary extends the
+    arithmetic one, see `build_tokenizer`); the new rows start as a fresh model's would.
+    """
+    old, new = old_tokenizer.get_vocab(), new_tokenizer.get_vocab()
+    moved = sorted(t for t, i in old.items() if new.get(t) != i)
+    if moved:
+        raise ValueError(f"The {task!r} vocabulary does not extend the model's: {len(moved)} of its tokens have "
+                         f"another id or none there (for example {moved[:5]}); train from scratch instead.")
+    size, std = len(new), model.config.initializer_range
+    for name in ("embed", "lm_head"):
+        layer = getattr(model, name)
+        weight = torch.empty(size, layer.weight.shape[1]).normal_(0.0, std)
+        weight[: layer.weight.shape[0]] = layer.weight.detach()
+        layer.weight = torch.nn.Parameter(weight)
+        if name == "embed":
+            layer.num_embeddings = size
+        else:
+            layer.out_features = size
+    model.config.vocab_size, model.config.task = size, task
+
+
 def train_dllm(model: DiffusionLM, tokenizer, out_dir: str, cfg: DLLMTrainConfig,
                on_step: Callable[[int, dict], None] | None = None) -> DiffusionLM:
     """Train for cfg.steps (resuming from the newest checkpoint in out_dir); final model saved in out_dir."""

@@ -6,8 +6,10 @@
 * The built-in DFlash candidate generator (5.16+) passes the drafter `hidden_states[i + 1]` for
   target layer i since 5.23 and `hidden_states[i]` (one layer early) before: a version table
   (`NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE`), not a reading of transformers' source.
-* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x); the engine keeps only the
-  accepted paths of verified token trees by rewriting them in place (`keep_paths`).
+* `DynamicCache` keeps per-layer `keys`/`values` tensors in `cache.layers` (5.x) and grows a layer it has not
+  seen with `cache.layer_class_to_replicate()`; the engine's `position_cache` gives it layers whose keys and values
+  are views of buffers allocated ahead (`PositionLayer`), and keeps only the accepted paths of verified token
+  trees by rewriting them in place (`keep_paths`).
 * `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
   `cache` since (see `DraftGenerateOutput` in assistant.py, which answers to both).
 
@@ -17,12 +19,13 @@ It lives beside the drafter because the drafter ships as remote code and must ca
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import transformers
 from packaging.version import Version
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @lru_cache(maxsize=None)
@@ -45,15 +48,48 @@ def find_cache(model_kwargs: dict):
     return found
 
 
-def new_cache(model, full: bool = False):
-    """A `DynamicCache` for `model`; `full`: every layer keeps every position (no sliding-window layers, which
-    cannot be cropped once past their window; the decoders then apply the window in their masks)."""
-    if full:
-        return DynamicCache()
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
+class PositionLayer(DynamicLayer):
+    """A cache layer whose `keys`/`values` [B, H, S, D] are views of buffers allocated ahead for `capacity`
+    positions: an update writes the new positions in place (no concatenation), a crop only shortens the view, so the
+    entries of a rejected draft are overwritten by the next verify. A buffer that fills up is reallocated at twice
+    the size (any `capacity` is correct; the right one saves the copies)."""
+
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self.capacity = capacity
+        self.key_buffer = self.value_buffer = None
+
+    def _held(self) -> bool:
+        """Whether keys/values are still views of the buffers (a batch reorder replaces them with copies)."""
+        return self.key_buffer is not None and self.keys.data_ptr() == self.key_buffer.data_ptr() and \
+            self.keys.shape[:2] == self.key_buffer.shape[:2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = start + key_states.shape[-2]
+        if not self._held() or end > self.key_buffer.shape[-2]:
+            size = max(self.capacity, 2 * end)
+            buffers = []
+            for old, new in ((self.keys, key_states), (self.values, value_states)):
+                buffer = new.new_empty(*new.shape[:2], size, new.shape[-1])
+                if start:
+                    buffer[:, :, :start] = old
+                buffers.append(buffer)
+            self.key_buffer, self.value_buffer = buffers
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def position_cache(capacity: int = 0) -> DynamicCache:
+    """A `DynamicCache` of `PositionLayer`s, each allocated for `capacity` positions. Every layer keeps every
+    position (no sliding-window layers: the engine applies windows in its masks)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = partial(PositionLayer, capacity)
+    return cache
 
 
 def crop_to(cache, length: int) -> None:

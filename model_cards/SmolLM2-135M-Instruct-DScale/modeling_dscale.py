@@ -127,23 +127,48 @@ def _join(context: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
 class DraftContextCache:
     """Per-layer K/V of the context tokens only (block K/V are recomputed every call).
 
-    Keys are stored after `k_norm` and RoPE: [B, kv_heads, C, head_dim].
+    Keys are stored after `k_norm` and RoPE: `keys[layer]` [B, kv_heads, C, head_dim], a view of a buffer allocated
+    ahead for `capacity` positions (reallocated at twice the size when it fills up). A call writes the new context
+    after the old and the block after that, in place: the block's entries are overwritten by the next context.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, capacity: int = 0):
+        self.capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
     def __len__(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
 
+    def _room(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers, holding its context and room for `size` positions."""
+        old, buffers = (self.keys[layer], self.values[layer]), self.buffers[layer]
+        held = buffers is not None and old[0] is not None and old[0].data_ptr() == buffers[0].data_ptr() and \
+            old[0].shape[0] == buffers[0].shape[0]
+        if held and size <= buffers[0].shape[-2]:
+            return buffers
+        length = 0 if old[0] is None else old[0].shape[-2]
+        buffers = tuple(new.new_empty(*new.shape[:2], max(self.capacity, 2 * size), new.shape[-1]) for new in (kc, vc))
+        for buffer, kept in zip(buffers, old):
+            if length:
+                buffer[:, :, :length] = kept
+        self.buffers[layer] = buffers
+        return buffers
+
     def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new context K/V (kc, vc); return [all context | block] keys and values."""
-        if self.keys[layer] is not None:
-            kc = torch.cat((self.keys[layer], kc), dim=-2)
-            vc = torch.cat((self.values[layer], vc), dim=-2)
-        self.keys[layer], self.values[layer] = kc, vc
-        return _join(kc, kb), _join(vc, vb)
+        start = 0 if self.keys[layer] is None else self.keys[layer].shape[-2]
+        end = start + kc.shape[-2]
+        spread = kb.shape[0] != kc.shape[0]  # one context row serves several block rows (`_rows`): joined
+        kbuf, vbuf = self._room(layer, kc, vc, end + (0 if spread else kb.shape[-2]))
+        kbuf[:, :, start:end], vbuf[:, :, start:end] = kc, vc
+        self.keys[layer], self.values[layer] = kbuf[:, :, :end], vbuf[:, :, :end]
+        if spread:
+            return _join(self.keys[layer], kb), _join(self.values[layer], vb)
+        stop = end + kb.shape[-2]
+        kbuf[:, :, end:stop], vbuf[:, :, end:stop] = kb, vb
+        return kbuf[:, :, :stop], vbuf[:, :, :stop]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.keys = [None if k is None else k[rows] for k in self.keys]

@@ -97,12 +97,14 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
                  "--max-new-tokens", "10", "--json", str(out), "--plot", str(plot)])
     report = json.loads(out.read_text())
     names = ["generate", "generate-static", "transformers-prompt-lookup"]
-    names += ["transformers-dflash"] if native_dflash_reads_layer_outputs() else []
+    names += ["transformers-dflash", "transformers-dflash-static"] if native_dflash_reads_layer_outputs() else []
     names += ["assistant_model", "dscale-auto", "dscale", "dscale-tree", "dscale-tree-lookup", "d2sd"]
+    assert set(report["refused"]) <= {"transformers-dflash-static"}  # only where the installed transformers refuses it
+    names = [n for n in names if n not in report["refused"]]
     assert list(report["peers"]) == names
     assert code == (0 if all(p["identical"] for p in report["peers"].values()) else 1)
     for name in names:
-        if name != "generate-static":  # a static cache's masks may round differently; reported, not assumed
+        if "static" not in name:  # a static cache's masks may round differently; reported, not assumed
             assert report["peers"][name]["identical"], name
         peer = report["peers"][name]
         assert peer["new_tokens"] == sum(row[name]["new_tokens"] for row in report["per_prompt"])
@@ -118,6 +120,20 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
     assert main(["bench", "--peers", "--method", "dscale-tree", "--target", str(folders / "target"), "--drafter",
                  str(folders / "drafter"), "--prompts", PROMPTS]) == 2
     assert "--peers runs every method" in capsys.readouterr().err
+
+
+def test_bench_peers_leaves_out_a_peer_transformers_refuses(folders):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dscale.evaluation import Peer, bench_peers
+
+    target = AutoModelForCausalLM.from_pretrained(folders / "target")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    peers = [Peer("generate", {}), Peer("unknown-cache", {"cache_implementation": "no-such-cache"})]
+    report = bench_peers(target, peers, [("p0", ids)], max_new_tokens=4)
+    assert list(report["peers"]) == ["generate"] and "no-such-cache" in report["refused"]["unknown-cache"]
+    with pytest.raises(ValueError, match="no-such-cache"):  # the first peer is the reference: never left out
+        bench_peers(target, peers[::-1], [("p0", ids)], max_new_tokens=4)
 
 
 def test_bench_d2sd(folders, tmp_path):
@@ -368,4 +384,17 @@ def test_train_dllm_init_from_continues_a_trained_model(tmp_path, capsys):
     assert max(float((a - b).abs().max()) for a, b in pairs) < 0.01  # ... from the first model's weights
     assert (second / "tokenizer.json").exists()
     assert main(["train-dllm", "--init-from", str(first), "--out", str(tmp_path / "x"), "--task", "other"]) == 2
-    assert "trained on task 'arithmetic'" in capsys.readouterr().err
+    assert "Unknown task 'other'" in capsys.readouterr().err
+
+    # another task: its words are added to the vocabulary, every arithmetic token keeps its id and row
+    third = tmp_path / "third"
+    assert main(["train-dllm", "--init-from", str(first), "--out", str(third), "--task", "stories", "--steps", "1",
+                 "--batch-size", "2"]) == 0
+    grown = DiffusionLM.from_pretrained(third)
+    old_size = before.config.vocab_size
+    assert grown.config.task == "stories" and grown.config.vocab_size > old_size
+    assert torch.equal(grown.embed.weight[:old_size], before.embed.weight)  # one step at lr 0 (warm-up)
+    assert torch.equal(grown.lm_head.weight[:old_size], before.lm_head.weight)
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(third)) == grown.config.vocab_size

@@ -100,13 +100,34 @@ def test_trees_decode_batched_with_uneven_padding(kind, vp):
 
 
 def test_keep_paths_packs_each_rows_path():
-    cache = compat.new_cache(tiny_target("llama"), full=True)
+    cache = compat.position_cache(16)
     keys = torch.arange(2 * 1 * 7 * 1, dtype=torch.float).view(2, 1, 7, 1)
     cache.update(keys.clone(), keys.clone(), 0)
     compat.keep_paths(cache, 3, torch.tensor([[0, 2, 3], [0, 1, 0]]))  # row 0: nodes 0, 2, 3; row 1: 0, 1 (+ a hole)
     compat.crop_to(cache, 6)
     got = cache.layers[0].keys[:, 0, :, 0]
     assert got.tolist() == [[0, 1, 2, 3, 5, 6], [7, 8, 9, 10, 11, 10]]
+
+
+def test_position_cache_writes_in_place_overwrites_what_a_crop_dropped_and_grows():
+    cache = compat.position_cache(8)
+    first = torch.arange(5.0).view(1, 1, 5, 1)
+    cache.update(first, first + 100, 0)
+    layer = cache.layers[0]
+    buffer = layer.key_buffer.data_ptr()
+    assert layer.key_buffer.shape[-2] == 10  # twice the first write, above the capacity of 8
+    compat.crop_to(cache, 3)  # a rejected draft: the view shrinks, the buffer stays
+    assert cache.get_seq_length() == 3 and layer.key_buffer.data_ptr() == buffer
+    keys, values = cache.update(torch.full((1, 1, 4, 1), -1.0), torch.full((1, 1, 4, 1), -2.0), 0)
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, -1, -1, -1, -1] and values[0, 0, 3:, 0].tolist() == [-2] * 4
+    assert layer.key_buffer.data_ptr() == buffer  # written in place over the cropped entries
+    keys, _ = cache.update(torch.full((1, 1, 6, 1), 7.0), torch.zeros(1, 1, 6, 1), 0)  # past the buffer: it grows
+    assert keys.shape[-2] == 13 and keys[0, 0, :4, 0].tolist() == [0, 1, 2, -1] and layer.key_buffer.shape[-2] == 26
+    two = compat.position_cache(4)
+    two.update(torch.arange(6.0).view(2, 1, 3, 1), torch.zeros(2, 1, 3, 1), 0)
+    two.layers[0].batch_select_indices(torch.tensor([1]))  # a reorder replaces the views with copies ...
+    keys, _ = two.update(torch.full((1, 1, 1, 1), 9.0), torch.zeros(1, 1, 1, 1), 0)  # ... which a write keeps
+    assert keys[0, 0, :, 0].tolist() == [3, 4, 5, 9]
 
 
 def test_verify_pads_trees_with_nodes_that_see_only_themselves():
@@ -139,3 +160,24 @@ def test_own_tree_paths_swap_one_runner_up_and_keep_the_spines_later_drafts():
     assert [p.tokens for p in paths] == [[0, 1], [0, 2]]  # the best swap: depth 2's runner-up (token 2)
     c1 = float(confidences[0, 0])
     assert paths[1].chances == pytest.approx([c1, c1 * float(logits[0, 1].softmax(-1)[2])])
+
+
+def test_draft_context_cache_keeps_the_context_in_place_and_returns_context_then_block():
+    from hf_dscale.models.dscale import DraftContextCache
+
+    def kv(rows, n, value):
+        return torch.full((rows, 1, n, 2), float(value))
+
+    cache = DraftContextCache(1, capacity=6)
+    k, v = cache.extend(0, kv(2, 3, 1), kv(2, 3, -1), kv(2, 2, 9), kv(2, 2, -9))
+    assert k[:, 0, :, 0].tolist() == [[1, 1, 1, 9, 9]] * 2 and v[0, 0, :, 0].tolist() == [-1, -1, -1, -9, -9]
+    buffer = cache.buffers[0][0].data_ptr()
+    k, _ = cache.extend(0, kv(2, 1, 2), kv(2, 1, -2), kv(2, 2, 8), kv(2, 2, -8))  # the old block is written over
+    assert k[0, 0, :, 0].tolist() == [1, 1, 1, 2, 8, 8] and len(cache) == 4 and cache.buffers[0][0].data_ptr() == buffer
+    k, _ = cache.extend(0, kv(2, 0, 0), kv(2, 0, 0), kv(4, 2, 7), kv(4, 2, -7))  # 2 context rows serve 4 block rows
+    assert k.shape == (4, 1, 6, 2) and k[3, 0, :, 0].tolist() == [1, 1, 1, 2, 7, 7]
+    k, _ = cache.extend(0, kv(2, 5, 3), kv(2, 5, -3), kv(2, 2, 6), kv(2, 2, -6))  # past the buffer: it grows
+    assert k[0, 0, :, 0].tolist() == [1, 1, 1, 2] + [3] * 5 + [6, 6] and len(cache) == 9
+    cache.select_rows(torch.tensor([1]))
+    k, _ = cache.extend(0, kv(1, 1, 4), kv(1, 1, -4), kv(1, 1, 5), kv(1, 1, -5))
+    assert k[0, 0, :, 0].tolist() == [1, 1, 1, 2] + [3] * 5 + [4, 5]

@@ -147,7 +147,7 @@ def test_tree_forward_and_kept_path_match_plain_forwards(kind):
     prompt = torch.randint(3, MASK_ID, (1, 11), generator=torch.Generator().manual_seed(4))
     tree = TokenTree.from_candidates(7, [[5, 9, 11], [5, 12], [13, 14]])
     with torch.no_grad():
-        cache = compat.new_cache(target)
+        cache = compat.position_cache()
         target(input_ids=prompt, use_cache=True, **compat.cache_kwargs(target, cache))
         c = prompt.shape[1]
         allowed = torch.cat((torch.ones(len(tree), c, dtype=torch.bool), tree.ancestor_mask()), dim=1)

@@ -86,6 +86,10 @@ def test_plan_falls_back_to_the_reference_when_no_cheaper_set_agrees():
     plan = plan_blockbatch(Disagreeing(), [PROMPT], G, (4, 16), min_branches=1,
                            step_seconds=lambda kind, rows, queries: float(rows) ** 3)
     assert plan.block_sizes == (4, 16) and "the reference set" in plan.reason
+    # answers worded otherwise that check the same (here: every answer counts as the same) do agree
+    lenient = plan_blockbatch(Disagreeing(), [PROMPT], G, (4, 16), min_branches=1,
+                              step_seconds=lambda kind, rows, queries: float(rows) ** 3, agree=lambda a, b: True)
+    assert len(lenient.block_sizes) == 1 and all(c.agreement == 1.0 for c in lenient.candidates)
 
 
 class _Clocked:

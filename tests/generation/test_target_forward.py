@@ -92,7 +92,7 @@ def test_split_head_verify_matches_the_target_with_a_cache_and_holes(target, tra
     positions = (valid.cumsum(-1) - 1).clamp_min(0)
     logits = []
     for forward in (lambda cache, **kw: target(**kw, **compat.cache_kwargs(target, cache)).logits, split):
-        cache = compat.new_cache(target)
+        cache = compat.position_cache()
         with torch.no_grad():
             forward(cache, input_ids=ids, attention_mask=valid[:, :6], position_ids=positions[:, :6], use_cache=True)
             logits.append(forward(cache, input_ids=block, attention_mask=valid, position_ids=positions[:, 6:],
