@@ -41,12 +41,13 @@ def add_parser(sub) -> None:
                    help="BlockBatch branches: comma-separated sizes, or 'paper' for the paper's set "
                    "(4,8,16,32,64,128); default: planned on this machine from measured step costs (the plan goes "
                    "into the report)")
-    b.add_argument("--plan-prompts", type=int, default=8,
+    b.add_argument("--plan-prompts", type=int, default=16,
                    help="training-split problems the plan decodes to price each branch set (never the held-out ones)")
     b.add_argument("--min-branches", type=int, default=2,
                    help="the fewest branches the plan keeps (1 lets it fall back to one block size: Fast-dLLM)")
     b.add_argument("--threshold", type=float, default=0.9)
     b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--json", default=None)
     b.set_defaults(func=bench_main)
 
@@ -99,6 +100,7 @@ def bench_main(args) -> int:
     import sys
     import time
 
+    import torch
     from tqdm.auto import tqdm
     from transformers import AutoModel, AutoTokenizer
 
@@ -106,12 +108,14 @@ def bench_main(args) -> int:
     from ..generation.dllm import BLOCK_SIZES
     from ..models.dllm import DiffusionModel
     from ..training.dllm_tasks import make_problems
-    from .common import describe_machine, emit_report, pick_device
+    from .common import describe_machine, emit_report, pick_device, pick_dtype, warn_if_slow_bf16
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"No model at {args.model} (a folder with config.json, weights and a tokenizer).")
     device = pick_device(args.device)
-    model = AutoModel.from_pretrained(args.model, trust_remote_code=True).to(device).eval()
+    dtype = pick_dtype(args.dtype, device)
+    warn_if_slow_bf16(device, *([f"--dtype {args.dtype}"] if dtype == torch.bfloat16 else []))
+    model = AutoModel.from_pretrained(args.model, trust_remote_code=True, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dlm = DiffusionModel(model)
     task = args.task or getattr(model.config, "task", None)
@@ -142,7 +146,7 @@ def bench_main(args) -> int:
         report["plan"] = dict(plan.to_dict(), plan_seconds=round(plan_seconds, 3), plan_problems="train split",
                               min_branches=args.min_branches)
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,
-                  device=str(device), machine=describe_machine(device))
+                  device=str(device), dtype=str(dtype), machine=describe_machine(device))
     emit_report(report, args.json)
     return 0
 
@@ -158,12 +162,18 @@ def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
     prompts = [encode(tokenizer, [p], gen_length, with_answers=False)[0] for p in calibration]
     candidates = [b for b in BLOCK_SIZES if gen_length % b == 0]
 
+    def answer(sequence) -> int | None:
+        return final_answer(tokenizer.decode(sequence, skip_special_tokens=True))
+
     def same_answer(a, b) -> bool:  # answers may be worded freely (the stories task): what is checked must agree
-        found = [final_answer(tokenizer.decode(x, skip_special_tokens=True)) for x in (a, b)]
-        return found[0] is not None and found[0] == found[1]
+        return answer(a) is not None and answer(a) == answer(b)
+
+    def right(i: int, sequence) -> bool:  # calibration problems come with their answers: sets must do as Fast-dLLM
+        return answer(sequence) == calibration[i].answer
 
     return plan_blockbatch(dlm, prompts, gen_length, candidates, device, threshold=args.threshold,
-                           min_branches=min(args.min_branches, len(candidates)), agree=same_answer)
+                           min_branches=min(args.min_branches, len(candidates)), agree=same_answer, check=right,
+                           baseline_block_size=args.block_size)
 
 
 def _describe_plan(plan, seconds: float) -> str:

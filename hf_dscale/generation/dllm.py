@@ -367,12 +367,14 @@ class CandidateCost:
     nfe: float
     expected_seconds: float  # its forwards priced by the step costs: what the plan compares
     measured_seconds: float  # wall-clock of the calibration runs, host bookkeeping included (noisy; for reading)
-    agreement: float  # fraction of prompts whose answer equals the reference set's
+    agreement: float  # fraction of prompts whose answer agrees with the reference set's
+    correct: float | None = None  # fraction answered right, where the plan was given a `check`
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "nfe": round(self.nfe, 3),
                 "expected_seconds": round(self.expected_seconds, 6),
-                "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4)}
+                "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
+                "correct": None if self.correct is None else round(self.correct, 4)}
 
 
 @dataclass(frozen=True)
@@ -380,7 +382,8 @@ class BlockBatchPlan:
     """Which branches BlockBatch runs, and the measurements that chose them (made by `plan_blockbatch`).
 
     `step_costs` holds (kind, rows, queries, seconds) for every forward shape priced, full forwards at `seq_len`;
-    `candidates` every branch set tried, the reference (all candidate sizes) first; `reason` the decision in words.
+    `candidates` every branch set tried, the reference (all candidate sizes) first; `reason` the decision in words;
+    `baseline` Fast-dLLM on the same prompts, where the plan was given a `check` (its `correct` is the bar).
     """
 
     block_sizes: tuple[int, ...]
@@ -389,6 +392,7 @@ class BlockBatchPlan:
     step_costs: tuple[tuple[str, int, int, float], ...]
     candidates: tuple[CandidateCost, ...]
     reason: str
+    baseline: CandidateCost | None = None
 
     def seconds(self, kind: str, rows: int, queries: int) -> float:
         for k, r, q, s in self.step_costs:
@@ -412,16 +416,20 @@ class BlockBatchPlan:
                 "reason": self.reason, "batched_vs_single": self.batched_vs_single,
                 "step_costs": [{"kind": k, "rows": r, "queries": q, "seconds": round(s, 6)}
                                for k, r, q, s in self.step_costs],
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "candidates": [c.to_dict() for c in self.candidates],
+                "baseline": None if self.baseline is None else self.baseline.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> BlockBatchPlan:
         """The inverse of `to_dict` (costs rounded to the microsecond), e.g. to reuse a plan from a bench report."""
+        def cost(c: dict) -> CandidateCost:
+            return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
+                                 c["agreement"], c.get("correct"))
+
         return cls(block_sizes=tuple(d["block_sizes"]), gen_length=d["gen_length"], seq_len=d["seq_len"],
                    step_costs=tuple((c["kind"], c["rows"], c["queries"], c["seconds"]) for c in d["step_costs"]),
-                   candidates=tuple(CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"],
-                                                  c["measured_seconds"], c["agreement"]) for c in d["candidates"]),
-                   reason=d["reason"])
+                   candidates=tuple(cost(c) for c in d["candidates"]), reason=d["reason"],
+                   baseline=None if d.get("baseline") is None else cost(d["baseline"]))
 
 
 def _sync(device: torch.device) -> None:
@@ -468,7 +476,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     min_branches: int = 2, min_gain: float = 0.05, min_agreement: float = 0.9,
                     step_seconds: Callable[[str, int, int], float] | None = None, repeats: int = 5,
                     clock: Callable[[], float] = time.perf_counter,
-                    agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal) -> BlockBatchPlan:
+                    agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal,
+                    check: Callable[[int, torch.Tensor], bool] | None = None,
+                    baseline_block_size: int = 32) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of
@@ -483,8 +493,12 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     answers agree with those of the reference set (all candidate sizes: the paper's BlockBatch); when the search
     ends on one that does not, the plan is the reference. `agree(a, b)` says whether two answers to one prompt count
     as the same: token for token by default; where an answer may be worded freely, pass one that compares what is
-    checked (`hf-dscale bench-dllm` compares the task's final answers). `device` moves the prompts; `clock` and
-    `repeats` time.
+    checked. Where the calibration prompts have known answers, pass `check(i, sequence)` (is the answer to prompt i
+    right?) instead: a set then qualifies when it answers at least as many prompts right as Fast-dLLM (block
+    `baseline_block_size`, the method BlockBatch is measured against, decoded on the same prompts: the plan's
+    `baseline`); `hf-dscale bench-dllm` does, with the task's answers. A wide block commits far-ahead tokens the
+    model is confident of, and on a freely worded task those can be wrong: the check keeps such sets out. `device`
+    moves the prompts; `clock` and `repeats` time.
 
     `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
 
@@ -504,49 +518,78 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     # a full forward of 1..K rows, a block forward of 1..K rows x each window size
     grid = [("full", r, seq_len) for r in range(1, len(sizes) + 1)]
     grid += [("block", r, q) for r in range(1, len(sizes) + 1) for q in sizes]
+    if check is not None and ("block", 1, baseline_block_size) not in grid:
+        grid.append(("block", 1, baseline_block_size))  # the baseline's forwards
     if step_seconds is None:
         priced = measure_step_costs(model, prompts[0], gen_length, grid, repeats, clock)
     else:
         priced = {shape: float(step_seconds(*shape)) for shape in grid}
+    if check is not None and gen_length % baseline_block_size:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of baseline_block_size {baseline_block_size}.")
     answers: dict = {}  # block sizes -> the answers [P + n] per prompt
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
+
+    def measure(combo: tuple[int, ...], decode: Callable[[torch.Tensor], DLLMResult]) -> CandidateCost:
+        results, wall = [], 0.0
+        for q in prompts:
+            _sync(q.device)
+            start = clock()
+            results.append(decode(q))
+            _sync(q.device)
+            wall += clock() - start
+        answers[combo] = [r.sequence for r in results]
+        reference = answers.get(sizes, answers[combo])
+        same = sum(bool(agree(a, b)) for a, b in zip(answers[combo], reference))
+        right = None if check is None else sum(bool(check(i, a)) for i, a in enumerate(answers[combo])) / len(prompts)
+        seconds = sum(priced[(kind, rows, seq_len if kind == "full" else queries)]  # full: at seq_len
+                      for r in results for kind, rows, queries in r.forwards)
+        n = len(prompts)
+        return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n, right)
 
     def evaluate(combo: tuple[int, ...]) -> CandidateCost:
         """Decode the calibration prompts with these branches; price the forwards each run made."""
         if combo not in tried:
-            results, wall = [], 0.0
-            for q in prompts:
-                _sync(q.device)
-                start = clock()
-                results.append(blockbatch_generate(model, q, gen_length, combo, threshold))
-                _sync(q.device)
-                wall += clock() - start
-            answers[combo] = [r.sequence for r in results]
-            reference = answers.get(sizes, answers[combo])
-            same = sum(bool(agree(a, b)) for a, b in zip(answers[combo], reference))
-            seconds = sum(priced[(kind, rows, seq_len if kind == "full" else queries)]  # full: at seq_len
-                          for r in results for kind, rows, queries in r.forwards)
-            n = len(prompts)
-            tried[combo] = CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n)
+            tried[combo] = measure(combo, lambda q: blockbatch_generate(model, q, gen_length, combo, threshold))
         return tried[combo]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
-    chosen, steps = _choose(evaluate, sizes, min_branches, min_gain, min_agreement)
+    baseline = None
+    if check is None:
+        def qualifies(c: CandidateCost) -> bool:
+            return c.agreement >= min_agreement
+
+        def shortfall(c: CandidateCost) -> str:
+            return f"agrees with the reference on {100 * c.agreement:.0f}% of the prompts (< {100 * min_agreement:.0f}%)"
+    else:
+        baseline = measure(("fast-dllm",), lambda q: fast_dllm_generate(model, q, gen_length, baseline_block_size,
+                                                                       threshold))
+
+        def qualifies(c: CandidateCost) -> bool:
+            return c.correct >= baseline.correct
+
+        def shortfall(c: CandidateCost) -> str:
+            return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
+    chosen, steps = _choose(evaluate, sizes, min_branches, min_gain, qualifies, shortfall)
     steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
                  f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
                  f"(NFE {reference.nfe:.2f})")
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
                           step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced)),
-                          candidates=tuple(tried.values()), reason="; ".join(steps))
+                          candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline)
 
 
 def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[int, ...], min_branches: int,
-            min_gain: float, min_agreement: float) -> tuple[CandidateCost, list[str]]:
-    """The decision: greedy forward selection over branch sets by expected seconds (see `plan_blockbatch`).
-    Returns the chosen set and the steps that led to it, in words."""
+            min_gain: float, qualifies: Callable[[CandidateCost], bool],
+            shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
+    """The decision: greedy forward selection over branch sets by expected seconds (see `plan_blockbatch`), among
+    the sets that `qualifies` (`shortfall` says why one does not). Returns the chosen set and the steps that led to
+    it, in words."""
+
+    seen: list[CandidateCost] = []
 
     def best(costs: list[CandidateCost]) -> CandidateCost:  # qualifying first, then cheapest, then fewer branches
-        return min(costs, key=lambda c: (c.agreement < min_agreement, c.expected_seconds, len(c.block_sizes)))
+        seen.extend(costs)
+        return min(costs, key=lambda c: (not qualifies(c), c.expected_seconds, len(c.block_sizes)))
 
     current = best([evaluate((b,)) for b in sizes])
     steps = [f"{_name(current)} {current.expected_seconds * 1e3:.2f} ms: the cheapest single branch"]
@@ -557,19 +600,26 @@ def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[i
         move = f"+{added} -> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
         if len(current.block_sizes) < min_branches:
             steps.append(f"{move}: needed for {min_branches} branches")
-        elif ext.agreement >= min_agreement and gain >= min_gain:
+        elif qualifies(ext) and gain >= min_gain:
             steps.append(f"{move}: saves {100 * gain:.1f}%")
         else:
-            why = ("disagrees with the reference" if ext.agreement < min_agreement
+            why = (shortfall(ext) if not qualifies(ext)
                    else f"saves {100 * gain:.1f}% < {100 * min_gain:.0f}%" if gain >= 0
                    else f"costs {-100 * gain:.1f}% more")
             steps.append(f"{move}: {why}; stop")
             break
         current = ext
-    if current.agreement < min_agreement:
-        steps.append(f"{_name(current)} agrees with the reference on {100 * current.agreement:.0f}% of the prompts "
-                     f"(< {100 * min_agreement:.0f}%): the reference set")
-        current = evaluate(sizes)
+    if not qualifies(current):
+        others = [c for c in seen if qualifies(c) and len(c.block_sizes) >= min_branches]
+        if others:
+            fallback = min(others, key=lambda c: (c.expected_seconds, len(c.block_sizes)))
+            steps.append(f"{_name(current)} {shortfall(current)}: " + (
+                "the reference set" if fallback.block_sizes == sizes
+                else f"the cheapest set tried that qualifies, {_name(fallback)}"))
+            current = fallback
+        else:
+            steps.append(f"{_name(current)} {shortfall(current)}: the reference set")
+            current = evaluate(sizes)
     return current, steps
 
 

@@ -354,9 +354,11 @@ def test_train_dllm_then_bench_both_methods(tmp_path, capsys):
     assert (out / "checkpoint-2" / "trainer_state.pt").exists() and (out / "tokenizer.json").exists()
     for method in ("fast-dllm", "blockbatch"):
         report_path = tmp_path / f"{method}.json"
+        dtype = ["--dtype", "bfloat16"] if method == "fast-dllm" else []
         assert main(["bench-dllm", "--model", str(out), "--method", method, "--seed", "5", "--limit", "2",
-                     "--json", str(report_path)]) == 0
+                     "--json", str(report_path), *dtype]) == 0
         report = json.loads(report_path.read_text())
+        assert report["dtype"] == ("torch.bfloat16" if dtype else "torch.float32")
         for key in ("method", "n_prompts", "nfe", "accuracy", "tokens_per_s"):
             assert key in report
         assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1

@@ -92,6 +92,35 @@ def test_plan_falls_back_to_the_reference_when_no_cheaper_set_agrees():
     assert len(lenient.block_sizes) == 1 and all(c.agreement == 1.0 for c in lenient.candidates)
 
 
+def test_with_known_answers_a_set_must_answer_as_many_right_as_fast_dllm():
+    """A lone wide branch answers wrongly (far-ahead commits a model is wrongly sure of): a `check` keeps it out,
+    whatever it saves, and the plan reports Fast-dLLM on the same prompts as its baseline."""
+
+    class WrongWhenWide(_Climbing):  # a 16-token block commits a wrong first token; narrower ones do not
+        def block(self, x, targets, write, cache=None):
+            logits = super().block(x, targets, write)
+            wide = targets.shape[1] == 16 and bool((x[:, PROMPT.shape[1]] == MASK).any())
+            return logits.roll(1, -1) if wide else logits
+
+        def full(self, x, cache=None):
+            return super().full(x).roll(1, -1) if x.shape[0] == 1 and bool((x[0] == MASK).all()) else super().full(x)
+
+    def right(i, sequence):
+        return sequence.tolist() == ANSWER
+
+    cheap_wide = dict(step_seconds=lambda kind, rows, queries: rows * (1.0 if queries == 16 else 3.0))
+    plan = plan_blockbatch(WrongWhenWide(), [PROMPT], G, (4, 8, 16), min_branches=1, check=right,
+                           baseline_block_size=8, **cheap_wide)
+    assert plan.baseline is not None and plan.baseline.correct == 1.0
+    chosen = next(c for c in plan.candidates if c.block_sizes == plan.block_sizes)
+    assert chosen.correct == 1.0 and 16 not in plan.block_sizes
+    assert any(c.correct == 0.0 for c in plan.candidates)  # the wide set was tried and answered wrongly
+    report = json.loads(json.dumps(plan.to_dict()))
+    assert BlockBatchPlan.from_dict(report).to_dict() == report and report["baseline"]["correct"] == 1.0
+    with pytest.raises(ValueError, match="baseline_block_size"):
+        plan_blockbatch(WrongWhenWide(), [PROMPT], G, (4, 8), check=right, baseline_block_size=5, **cheap_wide)
+
+
 class _Clocked:
     """A DiffusionModel that advances a fake clock by 1 ms per query token it runs (a spike of 1 s on every 7th
     call: the median of interleaved repeats must not see it)."""
@@ -216,4 +245,4 @@ def test_bench_both_reports_the_two_methods_side_by_side():
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
     assert c.to_dict() == {"block_sizes": [4, 8], "nfe": 2.5, "expected_seconds": 0.01, "measured_seconds": 0.012,
-                           "agreement": 1.0}
+                           "agreement": 1.0, "correct": None}
