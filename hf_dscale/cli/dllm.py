@@ -69,8 +69,8 @@ def train_main(args) -> int:
         model = DiffusionLM.from_pretrained(args.init_from)
         tokenizer = AutoTokenizer.from_pretrained(args.init_from)
         if model.config.task != args.task:  # a new task: its vocabulary must extend the model's
-            tokenizer = build_tokenizer(args.task)
-            extend_vocabulary(model, AutoTokenizer.from_pretrained(args.init_from), tokenizer, args.task)
+            tokenizer, old = build_tokenizer(args.task), tokenizer
+            extend_vocabulary(model, old, tokenizer, args.task)
         args.gen_length = model.config.gen_length
     else:
         tokenizer = build_tokenizer(args.task)

@@ -9,11 +9,12 @@
   anchor + depth and an ancestor-only mask (a batch of equal chains takes a plain padding mask).
 * **accept**: the target walks each tree (`accept.py`).
 * **commit**: each row's accepted path keeps its K/V, packed by index after the cache's columns; the rest is
-  cropped, which only shortens the view of buffers allocated ahead for the whole generation (`compat.position_cache`:
-  the next verify writes over the rejected entries). Rows advance at different speeds, so the cache is a rectangle of *columns* with holes: a row whose
-  path is shorter than the longest leaves masked columns. Position ids count only a row's valid tokens, so every
-  row sees exactly the sequence plain `generate()` would feed it, and the drafters' context caches mirror the same
-  columns. Targets with sliding-window layers get their masks by position (`generation/masks.py`).
+  cropped, which only shortens the view of buffers allocated ahead for the whole generation
+  (`compat.position_cache`: the next verify writes over the rejected entries). Rows advance at different speeds,
+  so the cache is a rectangle of *columns* with holes: a row whose path is shorter than the longest leaves masked
+  columns. Position ids count only a row's valid tokens, so every row sees exactly the sequence plain `generate()`
+  would feed it, and the drafters' context caches mirror the same columns. Targets with sliding-window layers get
+  their masks by position (`generation/masks.py`).
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
 """
@@ -281,10 +282,10 @@ def decode(
     """Speculative decoding until every row meets a stopping criterion: sequences [B, P + N] and stats.
 
     Exact for greedy decoding, lossless for sampling. `cache`: an empty cache `generate()` prepared, or None; the
-    engine decodes with its own (`compat.position_cache`, sized from a `max_length` stopping criterion). `plan`: how to decode (`calibrate`); without one, the plan for
-    this target, batch size and `options` (`tree`, `prompt_lookup`, `num_branches`, `branch_policy`,
-    `draft_confidence`; see `calibrate`) is measured once and kept on the drafter (`plan_for`). It is returned in
-    `stats.plan`. Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `tree_kernel`
+    engine decodes with its own (`compat.position_cache`, sized from a `max_length` stopping criterion). `plan`: how
+    to decode (`calibrate`); without one, the plan for this target, batch size and `options` (`tree`,
+    `prompt_lookup`, `num_branches`, `branch_policy`, `draft_confidence`; see `calibrate`) is measured once and kept
+    on the drafter (`plan_for`). It is returned in `stats.plan`. Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `tree_kernel`
     runs the target's attention with the Triton cascade kernel during the call (default: on CUDA when Triton is
     installed and the plan verifies trees).
     """

@@ -48,6 +48,24 @@ def find_cache(model_kwargs: dict):
     return found
 
 
+def reserve(buffers, views, like, size: int, capacity: int):
+    """Buffers for the tensors `like` ([B, H, *, D] each) with room for `size` positions, holding `views` (the
+    positions kept so far, or None) at their start: `buffers` themselves while the views are still theirs and they
+    are large enough; else new ones of max(capacity, 2 * size) positions with the views copied in (a batch reorder
+    replaces views with copies, which the new buffers then hold)."""
+    view = views[0]
+    kept = 0 if view is None or view.dim() != 4 else view.shape[-2]
+    held = buffers[0] is not None and view is not None and view.dim() == 4 and \
+        view.data_ptr() == buffers[0].data_ptr() and view.shape[:2] == buffers[0].shape[:2]
+    if held and size <= buffers[0].shape[-2]:
+        return buffers
+    fresh = tuple(t.new_empty(*t.shape[:2], max(capacity, 2 * size), t.shape[-1]) for t in like)
+    if kept:
+        for buffer, old in zip(fresh, views):
+            buffer[:, :, :kept] = old
+    return fresh
+
+
 class PositionLayer(DynamicLayer):
     """A cache layer whose `keys`/`values` [B, H, S, D] are views of buffers allocated ahead for `capacity`
     positions: an update writes the new positions in place (no concatenation), a crop only shortens the view, so the
@@ -59,25 +77,13 @@ class PositionLayer(DynamicLayer):
         self.capacity = capacity
         self.key_buffer = self.value_buffer = None
 
-    def _held(self) -> bool:
-        """Whether keys/values are still views of the buffers (a batch reorder replaces them with copies)."""
-        return self.key_buffer is not None and self.keys.data_ptr() == self.key_buffer.data_ptr() and \
-            self.keys.shape[:2] == self.key_buffer.shape[:2]
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         end = start + key_states.shape[-2]
-        if not self._held() or end > self.key_buffer.shape[-2]:
-            size = max(self.capacity, 2 * end)
-            buffers = []
-            for old, new in ((self.keys, key_states), (self.values, value_states)):
-                buffer = new.new_empty(*new.shape[:2], size, new.shape[-1])
-                if start:
-                    buffer[:, :, :start] = old
-                buffers.append(buffer)
-            self.key_buffer, self.value_buffer = buffers
+        self.key_buffer, self.value_buffer = reserve((self.key_buffer, self.value_buffer), (self.keys, self.values),
+                                                     (key_states, value_states), end, self.capacity)
         self.key_buffer[:, :, start:end] = key_states
         self.value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
+from .compat import reserve
 from .configuration_dscale import DScaleConfig
 
 
@@ -136,32 +137,18 @@ class DraftContextCache:
         self.capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
 
     def __len__(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
-
-    def _room(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's buffers, holding its context and room for `size` positions."""
-        old, buffers = (self.keys[layer], self.values[layer]), self.buffers[layer]
-        held = buffers is not None and old[0] is not None and old[0].data_ptr() == buffers[0].data_ptr() and \
-            old[0].shape[0] == buffers[0].shape[0]
-        if held and size <= buffers[0].shape[-2]:
-            return buffers
-        length = 0 if old[0] is None else old[0].shape[-2]
-        buffers = tuple(new.new_empty(*new.shape[:2], max(self.capacity, 2 * size), new.shape[-1]) for new in (kc, vc))
-        for buffer, kept in zip(buffers, old):
-            if length:
-                buffer[:, :, :length] = kept
-        self.buffers[layer] = buffers
-        return buffers
 
     def extend(self, layer: int, kc, vc, kb, vb) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new context K/V (kc, vc); return [all context | block] keys and values."""
         start = 0 if self.keys[layer] is None else self.keys[layer].shape[-2]
         end = start + kc.shape[-2]
         spread = kb.shape[0] != kc.shape[0]  # one context row serves several block rows (`_rows`): joined
-        kbuf, vbuf = self._room(layer, kc, vc, end + (0 if spread else kb.shape[-2]))
+        kbuf, vbuf = self.buffers[layer] = reserve(self.buffers[layer], (self.keys[layer], self.values[layer]),
+                                                   (kc, vc), end + (0 if spread else kb.shape[-2]), self.capacity)
         kbuf[:, :, start:end], vbuf[:, :, start:end] = kc, vc
         self.keys[layer], self.values[layer] = kbuf[:, :, :end], vbuf[:, :, :end]
         if spread:
