@@ -381,9 +381,10 @@ def _dllm_summary(totals: dict, n: int) -> dict:
 
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
-               block_sizes=None, threshold: float = 0.9,
+               block_sizes=None, threshold: float = 0.9, refresh_tokens: int | None | str = "plan",
                on_problem: Callable[[int], None] | None = None) -> dict:
-    """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`; None: the paper's set), or with both
+    """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`, None: the paper's set; `refresh_tokens`,
+    "plan": the paper's 32), or with both
     (`method="both"`): NFE, accuracy (final number) and speed per method.
 
     "both" interleaves the two methods problem by problem (which goes first alternates), so that a change in the
@@ -397,7 +398,8 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
         raise ValueError(f"method must be fast-dllm, blockbatch or both, got {method!r}.")
     methods = DLLM_METHODS if method == "both" else (method,)
     run = {"fast-dllm": lambda q: fast_dllm_generate(model, q, gen_length, block_size, threshold),
-           "blockbatch": lambda q: blockbatch_generate(model, q, gen_length, block_sizes, threshold)}
+           "blockbatch": lambda q: blockbatch_generate(model, q, gen_length, block_sizes, threshold,
+                                                       refresh_tokens=refresh_tokens)}
     device = next(model.model.parameters()).device
     totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)
               for m in methods}

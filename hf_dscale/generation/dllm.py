@@ -14,18 +14,21 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
   another compatible branch already holds when its own stored probability for it is > 0.5), a leader
   sync (a branch more than 8 tokens behind copies the leader's row and cache row, keeping its own
   block grid) and a periodic full refresh (one batched full forward once any branch advanced 32
-  tokens since the last refresh). This is the paper's periodic ("original_bulk") variant.
+  tokens since the last refresh; a plan may choose 64). This is the paper's periodic
+  ("original_bulk") variant. A batched block forward runs only the branches' real window positions,
+  packed (the paper's varlen packing): windows of 16 and 32 cost 48 queries, not 2 x 32.
 
 A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
 which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
 runs (`measure_step_costs`, or a table the caller passes), decodes a few calibration prompts with candidate branch
-sets and returns a `BlockBatchPlan` naming the set with the lowest expected seconds; `blockbatch_generate(...,
+sets (then refresh intervals) and returns a `BlockBatchPlan` naming the set with the lowest expected seconds; `blockbatch_generate(...,
 plan=...)` decodes with it. A full refresh runs each distinct row once: rows a sync made identical give identical
 logits and cache rows, so one forward of the distinct rows is the same step at a fraction of its cost.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,8 +38,9 @@ import torch
 from ..models.dllm import DiffusionModel
 from ..models.dscale.assistant import median_seconds
 
-TOPK = 4  # token probabilities kept per position for the merge gate
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's default set
+REFRESH_TOKENS = 32  # BlockBatch's periodic refresh: the paper's interval
+REFRESH_CANDIDATES = (32, 64)  # the intervals a plan compares (the paper's ablation ran 4 to 64)
 
 
 @dataclass
@@ -49,7 +53,7 @@ class DLLMResult:
     branch_rows: torch.Tensor | None = None  # BlockBatch: every branch's final row [N, L]
     query_tokens: int = 0  # tokens run through the model, all forwards together (compute, unlike NFE)
     events: dict = field(default_factory=lambda: {"merged": 0, "synced": 0, "refreshes": 0})
-    forwards: list = field(default_factory=list)  # (kind, rows, queries per row) of every model call, in order
+    forwards: list = field(default_factory=list)  # the shape (kind, queries per row) of every model call, in order
 
 
 def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor, mask_id: int,
@@ -63,39 +67,53 @@ def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.T
     The mask token itself is never a candidate (its logit is dropped before the softmax): committing it would
     leave the position masked and the decoding loop would never end.
     """
-    masked = row[positions] == mask_id
-    if not bool(masked.any()):
-        return 0
-    logits = logits.double().index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
-    conf, tokens = torch.softmax(logits, dim=-1).max(-1)
+    one = torch.zeros(1, dtype=torch.long, device=row.device)
+    valid = torch.ones(1, positions.numel(), dtype=torch.bool, device=row.device)
+    return int(commit_windows(row[None], one, positions[None], valid, logits[None], mask_id, threshold)[0])
+
+
+def commit_windows(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                   logits: torch.Tensor, mask_id: int, threshold: float) -> torch.Tensor:
+    """`threshold_commit` for several rows of x [N, L] in one pass: row rows[k] commits at its positions targets[k]
+    [Q] where valid[k] (False: padding), from logits[k] [Q, V]. Returns the counts committed [R] (a tensor)."""
+    drop = torch.tensor([mask_id], device=logits.device)
+    conf, tokens = torch.softmax(logits.double().index_fill(-1, drop, float("-inf")), dim=-1).max(-1)  # [R, Q]
+    masked = valid & (x[rows[:, None], targets] == mask_id)
     conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
     chosen = masked & (conf >= threshold)
-    chosen[conf.argmax()] = True
-    row[positions[chosen]] = tokens[chosen]
-    return int(chosen.sum())
+    best = conf.argmax(-1, keepdim=True)  # the most confident masked position of each row: committed if any
+    chosen.scatter_(-1, best, chosen.gather(-1, best) | masked.any(-1, keepdim=True))
+    x[rows[:, None].expand_as(targets)[chosen], targets[chosen]] = tokens[chosen]
+    return chosen.sum(-1)
 
 
 def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> int | None:
     """The shared stopping rule: the end (exclusive) of the answer if it is decided, else None."""
-    region = row[prompt_len:]
-    masked = (region == mask_id).nonzero()
-    first_mask = int(masked[0]) if masked.numel() else region.numel()
+    return answer_ends(row[None], prompt_len, mask_id, eos_id)[0]
+
+
+def answer_ends(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[int | None]:
+    """`answer_end` of every row of x [R, L], with one read of the result."""
+    region = x[:, prompt_len:]
+    g = region.shape[1]
+    masked = region == mask_id
+    first_mask = torch.where(masked.any(-1), masked.int().argmax(-1), g)  # [R]
+    end = torch.where(first_mask == g, x.shape[1], -1)  # complete without an EOS before a mask
     if eos_id is not None:
-        eos = (region[:first_mask] == eos_id).nonzero()
-        if eos.numel():
-            return prompt_len + int(eos[0]) + 1
-    return row.numel() if first_mask == region.numel() else None
+        eos = (region == eos_id) & (torch.arange(g, device=x.device) < first_mask[:, None])
+        end = torch.where(eos.any(-1), prompt_len + eos.int().argmax(-1) + 1, end)
+    return [None if e < 0 else e for e in end.tolist()]
 
 
 def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int, seq_len: int,
-          queries: int = 0) -> None:
-    """Record one model call's shape (what a plan prices) and the query tokens it runs: a block call runs its
-    `queries` per row with the dual cache, and is a full forward of every position without it (hub classes without
-    an in-place block cache)."""
+          windows: tuple[int, ...] = ()) -> None:
+    """Record one model call's shape (what a plan prices) and the query tokens it runs. A block call runs the
+    `windows` of its live rows (packed: padding is not run) with the dual cache, and is a full forward of all `rows`
+    without it (hub classes without an in-place block cache)."""
     if kind == "full" or cache is None or not model.dual_cache:
-        kind, queries = "full", seq_len
-    result.forwards.append((kind, rows, queries))
-    result.query_tokens += rows * queries
+        kind, windows = "full", (seq_len,) * rows
+    result.forwards.append((kind, tuple(sorted(windows, reverse=True))))
+    result.query_tokens += sum(windows)
 
 
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:
@@ -138,7 +156,7 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         while end is None and bool((x[0, s : s + block_size] == mask_id).any()):
             logits = model.block(x, window[None], torch.ones_like(window[None], dtype=torch.bool), cache)
             result.nfe_block += 1
-            _book(result, model, cache, "block", 1, x.shape[1], block_size)
+            _book(result, model, cache, "block", 1, x.shape[1], (block_size,))
             threshold_commit(x[0], logits[0], window, mask_id, threshold)
             end = answer_end(x[0], p, mask_id, eos)
         if end is not None:
@@ -149,7 +167,13 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
 
 
 class _Branches:
-    """BlockBatch state: rows x [N, L], one cache row and one probability map per branch."""
+    """BlockBatch state: rows x [N, L], one cache row and one probability map per branch.
+
+    The probability map keeps, per position, the most likely token and its probability (`best`, `prob`) and the
+    EOS probability (`eos`), each zero at or below the floor. That decides the merge exactly for a gate of 0.5 or
+    more (a token above 0.5 is the most likely one) at a vocabulary-independent size, and gives the winner's EOS
+    probability.
+    """
 
     def __init__(self, model: DiffusionModel, x: torch.Tensor, prompt_len: int, sizes: list[int]):
         self.model, self.x, self.p, self.sizes = model, x, prompt_len, sizes
@@ -157,34 +181,53 @@ class _Branches:
         self.start = [prompt_len] * n  # window start per branch
         self.since_refresh = [0] * n
         self.done = [False] * n
-        self.probs = torch.zeros(n, length, TOPK, device=x.device)
-        self.ids = torch.zeros(n, length, TOPK, dtype=torch.long, device=x.device)
+        self.prob = torch.zeros(n, length, device=x.device)
+        self.best = torch.zeros(n, length, dtype=torch.long, device=x.device)
+        self.eos = torch.zeros(n, length, device=x.device)
         self.cache = model.new_cache()
 
     def window(self, i: int) -> torch.Tensor:
         return torch.arange(self.start[i], self.start[i] + self.sizes[i], device=self.x.device)
 
-    def decoded(self, i: int) -> int:
-        return int((self.x[i, self.p :] != self.model.mask_token_id).sum())
+    def decoded(self, rows: list[int]) -> list[int]:
+        """Tokens decoded (not masks) in the generation region of each of `rows`."""
+        return (self.x[rows, self.p :] != self.model.mask_token_id).sum(-1).tolist()
 
-    def remember(self, i: int, top: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor) -> None:
-        """Store `_top`'s (probs, ids) [Q, TOPK] as branch i's beliefs at `positions` [Q]."""
-        self.probs[i, positions], self.ids[i, positions] = top
+    def windows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows of `rows` as (targets [R, Q], valid [R, Q]): Q the widest, shorter ones padded with their last
+        position (valid False)."""
+        q = max(self.sizes[i] for i in rows)
+        offsets = torch.arange(q, device=self.x.device)
+        sizes = torch.tensor([self.sizes[i] for i in rows], device=self.x.device)
+        starts = torch.tensor([self.start[i] for i in rows], device=self.x.device)
+        valid = offsets < sizes[:, None]
+        return starts[:, None] + torch.minimum(offsets, sizes[:, None] - 1), valid
 
-    def snap(self, i: int) -> None:
-        """Window = the block of this branch's own grid holding its first mask; done if none is left."""
-        masked = (self.x[i, self.p :] == self.model.mask_token_id).nonzero()
-        if not masked.numel():
-            self.done[i] = True
-            return
-        b = self.sizes[i]
-        new = self.p + (int(masked[0]) // b) * b
-        self.since_refresh[i] += max(0, new - self.start[i])
-        self.start[i] = new
+    def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                 valid: torch.Tensor) -> None:
+        """Store `_beliefs`' (prob, best, eos) [R, Q] as those of branches `rows` [R] at `targets` [R, Q] where
+        `valid`."""
+        r, t = rows[:, None].expand_as(targets)[valid], targets[valid]
+        for mine, theirs in zip((self.prob, self.best, self.eos), beliefs):
+            mine[r, t] = theirs[valid]
+
+    def snap(self, *rows: int) -> None:
+        """Window = the block of the branch's own grid holding its first mask; done if none is left."""
+        rows = list(rows)
+        masked = self.x[rows, self.p :] == self.model.mask_token_id
+        first = torch.where(masked.any(-1), masked.int().argmax(-1), -1).tolist()
+        for i, f in zip(rows, first):
+            if f < 0:
+                self.done[i] = True
+                continue
+            new = self.p + (f // self.sizes[i]) * self.sizes[i]
+            self.since_refresh[i] += max(0, new - self.start[i])
+            self.start[i] = new
 
     def copy(self, dst: int, src: int) -> None:
         self.x[dst] = self.x[src]
-        self.probs[dst], self.ids[dst] = self.probs[src], self.ids[src]
+        for t in (self.prob, self.best, self.eos):
+            t[dst] = t[src]
         if self.cache is not None:
             self.cache.copy_row(dst, src)
         self.snap(dst)
@@ -209,7 +252,7 @@ def merge(state: _Branches, gate: float) -> int:
             span = state.window(src)
             cand = x[src, span]
             ok = (x[dst, span] == mask_id) & (cand != mask_id)
-            p = ((state.ids[dst, span] == cand[:, None]) * state.probs[dst, span]).amax(-1)
+            p = torch.where(state.best[dst, span] == cand, state.prob[dst, span], 0.0)  # dst's own belief
             better = ok & (p > best_p[span])
             best_p[span] = torch.where(better, p, best_p[span])
             best_t[span] = torch.where(better, cand, best_t[span])
@@ -226,7 +269,7 @@ def sync(state: _Branches, threshold: int) -> int:
     live = [i for i in range(len(state.sizes)) if not state.done[i]]
     if not live:
         return 0
-    counts = {i: state.decoded(i) for i in live}
+    counts = dict(zip(live, state.decoded(live)))
     leader = max(live, key=lambda i: (counts[i], -i))
     synced = 0
     for i in live:
@@ -239,19 +282,25 @@ def sync(state: _Branches, threshold: int) -> int:
 @torch.no_grad()
 def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256,
                         block_sizes: Sequence[int] | None = None, threshold: float = 0.9, merge_gate: float = 0.5,
-                        prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None = 32,
+                        prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None | str = "plan",
                         exchange: bool = True, stop_early: bool = True,
                         plan: BlockBatchPlan | None = None) -> DLLMResult:
     """BlockBatch (see the module docstring); prompt [1, P].
 
     Branches: `block_sizes` when given, else `plan.block_sizes` (`plan_blockbatch`), else the paper's set.
+    `refresh_tokens`: the periodic refresh's interval (None: never); "plan": the plan's, else the paper's 32.
     `exchange=False` turns off merge and sync (each branch then decodes exactly as it would alone, if
     `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete.
     """
+    if plan is not None and plan.gen_length != gen_length and (block_sizes is None or refresh_tokens == "plan"):
+        raise ValueError(f"The plan was made for gen_length {plan.gen_length}, not {gen_length}: make one for "
+                         "this length (plan_blockbatch) or pass block_sizes and refresh_tokens.")
+    if merge_gate < 0.5:
+        raise ValueError(f"merge_gate must be at least 0.5 (the paper's), got {merge_gate}: the map kept per branch "
+                         "holds each position's most likely token, which decides a gate of 0.5 or more.")
+    if refresh_tokens == "plan":
+        refresh_tokens = plan.refresh_tokens if plan is not None else REFRESH_TOKENS
     if block_sizes is None and plan is not None:
-        if plan.gen_length != gen_length:
-            raise ValueError(f"The plan was made for gen_length {plan.gen_length}, not {gen_length}: make one for "
-                             "this length (plan_blockbatch) or pass block_sizes.")
         block_sizes = plan.block_sizes
     sizes = sorted(BLOCK_SIZES if block_sizes is None else block_sizes)
     bad = [b for b in sizes if gen_length % b]
@@ -269,11 +318,13 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     _book(result, model, state.cache, "full", 1, length)
     if state.cache is not None:
         state.cache.expand(n)
-    top = _top(logits[0], prob_floor)
-    for i in range(n):
-        state.remember(i, top, every)
-        threshold_commit(state.x[i], logits[0, state.window(i)], state.window(i), mask_id, threshold)
-        state.snap(i)
+    rows = torch.arange(n, device=x1.device)
+    beliefs = _beliefs(logits, prob_floor, eos)  # [1, L] each
+    state.remember(rows, tuple(b.expand(n, -1) for b in beliefs), every.expand(n, -1),
+                   torch.ones(n, length, dtype=torch.bool, device=x1.device))
+    targets, valid = state.windows(list(range(n)))
+    commit_windows(state.x, rows, targets, valid, logits[0, targets], mask_id, threshold)
+    state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
     winner = None
@@ -281,10 +332,11 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     while winner is None and not all(state.done):
         live = [i for i in range(n) if not state.done[i]]
         flagged = refresh_tokens is not None and any(state.since_refresh[i] >= refresh_tokens for i in live)
+        rows = torch.tensor(live, device=x1.device)
+        targets, valid = state.windows(live)  # [R, Q] twice
         if flagged and not force_block:
             # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
-            rows = torch.tensor(live, device=x1.device)
-            distinct, of_row = torch.unique(state.x[rows], dim=0, return_inverse=True)  # [U, L], [len(live)]
+            distinct, of_row = torch.unique(state.x[rows], dim=0, return_inverse=True)  # [U, L], [R]
             fresh = model.new_cache()
             logits = model.full(distinct, fresh)  # [U, L, V]
             if state.cache is not None:
@@ -292,44 +344,38 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            top = _top(logits, prob_floor)  # [U, L, TOPK] twice
-            for j, i in enumerate(live):
-                u = int(of_row[j])
+            beliefs = _beliefs(logits, prob_floor, eos)  # [U, L] each
+            state.remember(rows, tuple(b[of_row] for b in beliefs), every.expand(len(live), -1),
+                           torch.ones(len(live), length, dtype=torch.bool, device=x1.device))
+            for i in live:
                 state.since_refresh[i] = 0
-                state.remember(i, (top[0][u], top[1][u]), every)
-                threshold_commit(state.x[i], logits[u, state.window(i)], state.window(i), mask_id, threshold)
+            logits = logits[of_row[:, None], targets]  # [R, Q, V]: each branch's window
         else:
-            q = max(state.sizes[i] for i in live)
-            targets = torch.full((n, q), p, dtype=torch.long, device=x1.device)
-            write = torch.zeros(n, q, dtype=torch.bool, device=x1.device)
-            for i in live:
-                w = state.window(i)
-                targets[i, : w.numel()], targets[i, w.numel() :] = w, w[-1]
-                write[i, : w.numel()] = True
-            logits = model.block(state.x, targets, write, state.cache)  # [n, q, V]
+            write = torch.zeros(n, targets.shape[1], dtype=torch.bool, device=x1.device)
+            write[rows] = valid  # done branches' rows run nothing; padding is not run
+            every_row = torch.full((n, targets.shape[1]), p, dtype=torch.long, device=x1.device)
+            every_row[rows] = targets
+            logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
             result.nfe_block += 1
-            _book(result, model, state.cache, "block", n, length, q)
-            top = _top(logits, prob_floor)  # [n, q, TOPK] twice
-            for i in live:
-                w = state.window(i)
-                state.remember(i, (top[0][i, : w.numel()], top[1][i, : w.numel()]), w)
-                threshold_commit(state.x[i], logits[i, : w.numel()], w, mask_id, threshold)
+            _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
+            state.remember(rows, _beliefs(logits, prob_floor, eos), targets, valid)
+        commit_windows(state.x, rows, targets, valid, logits, mask_id, threshold)
         force_block = False
         if stop_early:
-            ends = {i: answer_end(state.x[i], p, mask_id, eos) for i in live}
+            ends = dict(zip(live, answer_ends(state.x[rows], p, mask_id, eos)))
             ready = [i for i in live if ends[i] is not None]
             if ready:
-                winner = max(ready, key=lambda i: float(_eos_prob(state, i, ends[i] - 1, eos)))
+                winner = max(ready, key=lambda i: float(state.eos[i, ends[i] - 1]))
                 break
-        for i in live:
-            state.snap(i)
+        state.snap(*live)
         if exchange:
             result.events["merged"] += merge(state, merge_gate)
             synced = sync(state, sync_threshold)
             result.events["synced"] += synced
             force_block = synced > 0
     if winner is None:
-        winner = max(range(n), key=lambda i: (state.decoded(i), -i))
+        counts = state.decoded(list(range(n)))
+        winner = max(range(n), key=lambda i: (counts[i], -i))
     end = answer_end(state.x[winner], p, mask_id, eos)
     result.sequence = state.x[winner, : end if end is not None else length]
     result.block_size, result.branch_rows = sizes[winner], state.x
@@ -337,10 +383,13 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _top(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TOPK probabilities (those <= floor zeroed) and their ids [..., TOPK] of logits [..., V]."""
-    probs, ids = torch.softmax(logits.float(), -1).topk(TOPK, dim=-1)
-    return torch.where(probs > floor, probs, torch.zeros_like(probs)), ids
+def _beliefs(logits: torch.Tensor, floor: float, eos: int | None) -> tuple[torch.Tensor, ...]:
+    """(prob, best, eos) [...]: the most likely token's probability and id, and the EOS probability, of logits
+    [..., V]; probabilities at or below `floor` are zeroed."""
+    probs = torch.softmax(logits.float(), -1)
+    prob, best = probs.max(-1)
+    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(prob)
+    return torch.where(prob > floor, prob, 0.0), best, torch.where(eos_p > floor, eos_p, 0.0)
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:
@@ -348,12 +397,6 @@ def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> N
     for mine, theirs in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
         for t, u in zip(mine, theirs):
             t[rows] = u if u.shape[0] == 1 else u[of_row]  # one distinct row (the usual case after a sync): broadcast
-
-
-def _eos_prob(state: _Branches, i: int, position: int, eos: int | None) -> torch.Tensor:
-    if eos is None:
-        return torch.zeros(())
-    return ((state.ids[i, position] == eos) * state.probs[i, position]).amax()
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -369,19 +412,24 @@ class CandidateCost:
     measured_seconds: float  # wall-clock of the calibration runs, host bookkeeping included (noisy; for reading)
     agreement: float  # fraction of prompts whose answer agrees with the reference set's
     correct: float | None = None  # fraction answered right, where the plan was given a `check`
+    refresh_tokens: int | None = REFRESH_TOKENS  # the refresh interval it ran with
 
     def to_dict(self) -> dict:
-        return {"block_sizes": list(self.block_sizes), "nfe": round(self.nfe, 3),
+        return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens, "nfe": round(self.nfe, 3),
                 "expected_seconds": round(self.expected_seconds, 6),
                 "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
                 "correct": None if self.correct is None else round(self.correct, 4)}
+
+
+Shape = tuple[str, tuple[int, ...]]  # a model call: ("full" | "block", queries of each row), block rows widest first
 
 
 @dataclass(frozen=True)
 class BlockBatchPlan:
     """Which branches BlockBatch runs, and the measurements that chose them (made by `plan_blockbatch`).
 
-    `step_costs` holds (kind, rows, queries, seconds) for every forward shape priced, full forwards at `seq_len`;
+    `step_costs` holds (kind, queries per row, seconds) for every forward shape priced: full forwards of 1..K rows
+    at `seq_len`, block forwards of each subset of the candidate windows (packed, so {16, 32} runs 48 queries);
     `candidates` every branch set tried, the reference (all candidate sizes) first; `reason` the decision in words;
     `baseline` Fast-dLLM on the same prompts, where the plan was given a `check` (its `correct` is the bar).
     """
@@ -389,33 +437,36 @@ class BlockBatchPlan:
     block_sizes: tuple[int, ...]
     gen_length: int
     seq_len: int
-    step_costs: tuple[tuple[str, int, int, float], ...]
+    step_costs: tuple[tuple[str, tuple[int, ...], float], ...]
     candidates: tuple[CandidateCost, ...]
     reason: str
     baseline: CandidateCost | None = None
+    refresh_tokens: int | None = REFRESH_TOKENS
 
-    def seconds(self, kind: str, rows: int, queries: int) -> float:
-        for k, r, q, s in self.step_costs:
-            if (k, r) == (kind, rows) and (kind == "full" or q == queries):
+    def seconds(self, kind: str, queries: Sequence[int]) -> float:
+        """The priced seconds of one call of this shape (block windows in any order)."""
+        queries = tuple(sorted(queries, reverse=True))
+        for k, q, s in self.step_costs:
+            if (k, q) == (kind, queries):
                 return s
-        raise KeyError(f"The plan priced no {kind} forward of {rows} rows x {queries} queries.")
+        raise KeyError(f"The plan priced no {kind} forward of queries {queries}.")
 
     @property
     def batched_vs_single(self) -> dict:
-        """What a forward of r rows costs against one row of the same shape: {"full": {r: x}, "block": {q: {r: x}}}
-        (keys as strings, as JSON has them)."""
+        """What a forward of several rows costs against one row of its widest: {"full": {"2": x, ...}, "block":
+        {"32+16": x, ...}} (keys as strings, as JSON has them)."""
         out: dict = {"full": {}, "block": {}}
-        for kind, rows, queries, seconds in self.step_costs:
-            if rows > 1:
-                ratio = round(seconds / self.seconds(kind, 1, queries), 3)
-                (out["full"] if kind == "full" else out["block"].setdefault(str(queries), {}))[str(rows)] = ratio
+        for kind, queries, seconds in self.step_costs:
+            if len(queries) > 1:
+                ratio = round(seconds / self.seconds(kind, queries[:1]), 3)
+                out[kind][str(len(queries)) if kind == "full" else "+".join(map(str, queries))] = ratio
         return out
 
     def to_dict(self) -> dict:
-        return {"block_sizes": list(self.block_sizes), "gen_length": self.gen_length, "seq_len": self.seq_len,
-                "reason": self.reason, "batched_vs_single": self.batched_vs_single,
-                "step_costs": [{"kind": k, "rows": r, "queries": q, "seconds": round(s, 6)}
-                               for k, r, q, s in self.step_costs],
+        return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
+                "gen_length": self.gen_length, "seq_len": self.seq_len, "reason": self.reason, "batched_vs_single": self.batched_vs_single,
+                "step_costs": [{"kind": k, "rows": len(q), "queries": list(q), "seconds": round(s, 6)}
+                               for k, q, s in self.step_costs],
                 "candidates": [c.to_dict() for c in self.candidates],
                 "baseline": None if self.baseline is None else self.baseline.to_dict()}
 
@@ -424,10 +475,11 @@ class BlockBatchPlan:
         """The inverse of `to_dict` (costs rounded to the microsecond), e.g. to reuse a plan from a bench report."""
         def cost(c: dict) -> CandidateCost:
             return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
-                                 c["agreement"], c.get("correct"))
+                                 c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS))
 
-        return cls(block_sizes=tuple(d["block_sizes"]), gen_length=d["gen_length"], seq_len=d["seq_len"],
-                   step_costs=tuple((c["kind"], c["rows"], c["queries"], c["seconds"]) for c in d["step_costs"]),
+        return cls(block_sizes=tuple(d["block_sizes"]), refresh_tokens=d.get("refresh_tokens", REFRESH_TOKENS),
+                   gen_length=d["gen_length"], seq_len=d["seq_len"],
+                   step_costs=tuple((c["kind"], tuple(c["queries"]), c["seconds"]) for c in d["step_costs"]),
                    candidates=tuple(cost(c) for c in d["candidates"]), reason=d["reason"],
                    baseline=None if d.get("baseline") is None else cost(d["baseline"]))
 
@@ -438,34 +490,37 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: int, shapes, repeats: int = 5,
-                       clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Median seconds of one model call per shape (kind, rows, queries) at the real sequence length (`median_seconds`);
-    prompt [1, P].
+def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: int, shapes: Sequence[Shape],
+                       repeats: int = 5, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Median seconds of one model call per shape (kind, queries per row) at the real sequence length
+    (`median_seconds`); prompt [1, P].
 
     The repeats are interleaved across shapes, so a change in the machine's speed (another process, clock
     scaling) falls on every shape alike. Inputs are the prompt then masks, one copy per row; a block call of r rows
-    runs against the first r rows of one cache that a full forward filled (its writes land in that throwaway cache).
+    (row i running its queries[i] positions, padded to the widest) runs against the first r rows of one cache that
+    a full forward filled (its writes land in that throwaway cache).
     """
     x1 = _start(model, prompt, gen_length)
     p, length, device = prompt.shape[1], x1.shape[1], x1.device
-    most = max((rows for kind, rows, _ in shapes if kind == "block"), default=0)
+    most = max((len(q) for kind, q in shapes if kind == "block"), default=0)
     shared = model.new_cache()  # one cache for every block shape, each using its first rows: memory of `most` rows
     if shared is not None and most:
         model.full(x1.expand(most, -1).contiguous(), shared)
     calls = {}
-    for kind, rows, queries in shapes:
+    for kind, queries in shapes:
+        rows = len(queries)
         x = x1.expand(rows, -1).contiguous()
         if kind == "full":
-            calls[(kind, rows, queries)] = lambda x=x: model.full(x, model.new_cache())
+            calls[(kind, queries)] = lambda x=x: model.full(x, model.new_cache())
             continue
         cache = None
         if shared is not None:
             cache = model.new_cache()
             cache.keys, cache.values = [k[:rows] for k in shared.keys], [v[:rows] for v in shared.values]
-        targets = (p + torch.arange(queries, device=device)).clamp_max(length - 1)[None].expand(rows, -1)
-        write = torch.ones(rows, queries, dtype=torch.bool, device=device)
-        calls[(kind, rows, queries)] = lambda x=x, t=targets, w=write, c=cache: model.block(x, t, w, c)
+        widest = max(queries)
+        targets = (p + torch.arange(widest, device=device)).clamp_max(length - 1)[None].expand(rows, -1)
+        write = torch.arange(widest, device=device)[None] < torch.tensor(queries, device=device)[:, None]
+        calls[(kind, queries)] = lambda x=x, t=targets, w=write, c=cache: model.block(x, t, w, c)
     for call in calls.values():  # warm-up: first-call allocations are not a step's cost
         call()
     return median_seconds(calls, repeats, clock, lambda: _sync(device))
@@ -474,22 +529,25 @@ def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
 def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_length: int,
                     candidate_block_sizes: Sequence[int] = BLOCK_SIZES, device=None, *, threshold: float = 0.9,
                     min_branches: int = 2, min_gain: float = 0.05, min_agreement: float = 0.9,
-                    step_seconds: Callable[[str, int, int], float] | None = None, repeats: int = 5,
+                    step_seconds: Callable[[str, tuple[int, ...]], float] | None = None, repeats: int = 5,
                     clock: Callable[[], float] = time.perf_counter,
                     agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal,
                     check: Callable[[int, torch.Tensor], bool] | None = None,
-                    baseline_block_size: int = 32) -> BlockBatchPlan:
+                    baseline_block_size: int = 32,
+                    refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of
     r rows costs up to r times one row, so a branch pays only if the forwards it saves outweigh the rows it adds.
     The plan decodes the calibration `prompts` (each [1, P]; draw them apart from any evaluation set) with
-    candidate branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, rows,
-    queries)`; by default `measure_step_costs` on this model, for every shape a run can take (full forwards at the
-    first prompt's length). The search (`_choose`) is greedy: the cheapest single branch, then the branch whose
-    addition lowers the expected seconds most, while fewer than `min_branches` or while it saves at least
-    `min_gain` of them. The margin stands for the host bookkeeping (merge, sync, one commit per branch per step),
-    which grows with the branches and is not priced. A set qualifies only if at least `min_agreement` of its
+    candidate branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, queries per
+    row)`; by default `measure_step_costs` on this model, for every shape a run can take (full forwards of 1..K rows
+    at the first prompt's length, a block forward of every subset of the candidate windows, packed). The search
+    (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates` (the
+    refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes); then
+    greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
+    `min_branches` or while it saves at least `min_gain` of the seconds. The margin stands for the host bookkeeping
+    (merge, sync, one commit per step), which grows with the branches and is not priced. A set qualifies only if at least `min_agreement` of its
     answers agree with those of the reference set (all candidate sizes: the paper's BlockBatch); when the search
     ends on one that does not, the plan is the reference. `agree(a, b)` says whether two answers to one prompt count
     as the same: token for token by default; where an answer may be worded freely, pass one that compares what is
@@ -514,12 +572,13 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         raise ValueError(f"min_branches must be between 1 and the {len(sizes)} candidate sizes, got {min_branches}.")
     prompts = [q.to(device) if device is not None else q for q in prompts]
     seq_len = prompts[0].shape[1] + gen_length
-    # every shape a run of these sizes can take, priced in one interleaved batch so that all compare alike:
-    # a full forward of 1..K rows, a block forward of 1..K rows x each window size
-    grid = [("full", r, seq_len) for r in range(1, len(sizes) + 1)]
-    grid += [("block", r, q) for r in range(1, len(sizes) + 1) for q in sizes]
-    if check is not None and ("block", 1, baseline_block_size) not in grid:
-        grid.append(("block", 1, baseline_block_size))  # the baseline's forwards
+    # every shape a run of these sizes can take, priced in one interleaved batch so that all compare alike: a full
+    # forward of 1..K rows, a block forward of the live branches' windows (any subset of the sizes; packed)
+    grid: list[Shape] = [("full", (seq_len,) * r) for r in range(1, len(sizes) + 1)]
+    grid += [("block", tuple(sorted(subset, reverse=True)))
+             for r in range(1, len(sizes) + 1) for subset in itertools.combinations(sizes, r)]
+    if check is not None and ("block", (baseline_block_size,)) not in grid:
+        grid.append(("block", (baseline_block_size,)))  # the baseline's forwards
     if step_seconds is None:
         priced = measure_step_costs(model, prompts[0], gen_length, grid, repeats, clock)
     else:
@@ -529,7 +588,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     answers: dict = {}  # block sizes -> the answers [P + n] per prompt
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
 
-    def measure(combo: tuple[int, ...], decode: Callable[[torch.Tensor], DLLMResult]) -> CandidateCost:
+    def measure(combo: tuple, refresh, decode: Callable[[torch.Tensor], DLLMResult]) -> CandidateCost:
         results, wall = [], 0.0
         for q in prompts:
             _sync(q.device)
@@ -537,20 +596,21 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
             results.append(decode(q))
             _sync(q.device)
             wall += clock() - start
-        answers[combo] = [r.sequence for r in results]
-        reference = answers.get(sizes, answers[combo])
-        same = sum(bool(agree(a, b)) for a, b in zip(answers[combo], reference))
-        right = None if check is None else sum(bool(check(i, a)) for i, a in enumerate(answers[combo])) / len(prompts)
-        seconds = sum(priced[(kind, rows, seq_len if kind == "full" else queries)]  # full: at seq_len
-                      for r in results for kind, rows, queries in r.forwards)
+        answers[combo, refresh] = mine = [r.sequence for r in results]
+        reference = answers.get((sizes, refresh_candidates[0]), mine)
+        same = sum(bool(agree(a, b)) for a, b in zip(mine, reference))
+        right = None if check is None else sum(bool(check(i, a)) for i, a in enumerate(mine)) / len(prompts)
+        seconds = sum(priced[(kind, (seq_len,) * len(queries) if kind == "full" else queries)]  # full: at seq_len
+                      for r in results for kind, queries in r.forwards)
         n = len(prompts)
-        return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n, right)
+        return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n, right, refresh)
 
-    def evaluate(combo: tuple[int, ...]) -> CandidateCost:
+    def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0]) -> CandidateCost:
         """Decode the calibration prompts with these branches; price the forwards each run made."""
-        if combo not in tried:
-            tried[combo] = measure(combo, lambda q: blockbatch_generate(model, q, gen_length, combo, threshold))
-        return tried[combo]
+        if (combo, refresh) not in tried:
+            tried[combo, refresh] = measure(combo, refresh, lambda q: blockbatch_generate(
+                model, q, gen_length, combo, threshold, refresh_tokens=refresh))
+        return tried[combo, refresh]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
     baseline = None
@@ -561,29 +621,30 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         def shortfall(c: CandidateCost) -> str:
             return f"agrees with the reference on {100 * c.agreement:.0f}% of the prompts (< {100 * min_agreement:.0f}%)"
     else:
-        baseline = measure(("fast-dllm",), lambda q: fast_dllm_generate(model, q, gen_length, baseline_block_size,
-                                                                       threshold))
+        baseline = measure(("fast-dllm",), None, lambda q: fast_dllm_generate(model, q, gen_length,
+                                                                             baseline_block_size, threshold))
 
         def qualifies(c: CandidateCost) -> bool:
             return c.correct >= baseline.correct
 
         def shortfall(c: CandidateCost) -> str:
             return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
-    chosen, steps = _choose(evaluate, sizes, min_branches, min_gain, qualifies, shortfall)
-    steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
-                 f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
-                 f"(NFE {reference.nfe:.2f})")
+    chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, qualifies, shortfall)
+    steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE {chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of "
+                 f"{_name(reference)} (NFE {reference.nfe:.2f})")
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
-                          step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced)),
-                          candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline)
+                          step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced, key=_shape_order)),
+                          candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline,
+                          refresh_tokens=chosen.refresh_tokens)
 
 
-def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[int, ...], min_branches: int,
-            min_gain: float, qualifies: Callable[[CandidateCost], bool],
+def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refreshes: Sequence[int | None],
+            min_branches: int, min_gain: float, qualifies: Callable[[CandidateCost], bool],
             shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
-    """The decision: greedy forward selection over branch sets by expected seconds (see `plan_blockbatch`), among
-    the sets that `qualifies` (`shortfall` says why one does not). Returns the chosen set and the steps that led to
-    it, in words."""
+    """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
+    refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds, among
+    the sets that `qualifies` (`shortfall` says why one does not). `evaluate(block_sizes, refresh)`. Returns the
+    chosen set and the steps that led to it, in words."""
 
     seen: list[CandidateCost] = []
 
@@ -594,10 +655,13 @@ def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[i
     current = best([evaluate((b,)) for b in sizes])
     steps = [f"{_name(current)} {current.expected_seconds * 1e3:.2f} ms: the cheapest single branch"]
     while len(current.block_sizes) < len(sizes):
-        ext = best([evaluate(tuple(sorted(current.block_sizes + (b,)))) for b in sizes if b not in current.block_sizes])
-        added = (set(ext.block_sizes) - set(current.block_sizes)).pop()
+        if len(current.block_sizes) == 1:  # every pair: the best pair need not hold the best single branch
+            ext = best([evaluate(pair, r) for r in refreshes for pair in itertools.combinations(sizes, 2)])
+        else:
+            ext = best([evaluate(tuple(sorted(current.block_sizes + (b,))), current.refresh_tokens)
+                        for b in sizes if b not in current.block_sizes])
         gain = 1 - ext.expected_seconds / current.expected_seconds if current.expected_seconds > 0 else 0.0
-        move = f"+{added} -> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
+        move = f"-> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
         if len(current.block_sizes) < min_branches:
             steps.append(f"{move}: needed for {min_branches} branches")
         elif qualifies(ext) and gain >= min_gain:
@@ -623,5 +687,11 @@ def _choose(evaluate: Callable[[tuple[int, ...]], CandidateCost], sizes: tuple[i
     return current, steps
 
 
+def _shape_order(shape: Shape) -> tuple:
+    kind, queries = shape
+    return kind, len(queries), queries
+
+
 def _name(c: CandidateCost) -> str:
-    return "{" + ",".join(map(str, c.block_sizes)) + "}"
+    """e.g. {16,32}/r64: branches 16 and 32, a refresh every 64 tokens."""
+    return "{" + ",".join(map(str, c.block_sizes)) + "}" + f"/r{c.refresh_tokens}"

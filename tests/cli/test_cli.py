@@ -363,6 +363,13 @@ def test_train_dllm_then_bench_both_methods(tmp_path, capsys):
             assert key in report
         assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1
         assert report["machine"]["transformers"] == transformers.__version__
+        if method == "blockbatch":  # the plan's branches and refresh interval are the ones decoded with
+            assert report["refresh_tokens"] == report["plan"]["refresh_tokens"] in (32, 64)
+            assert report["block_sizes"] == report["plan"]["block_sizes"]
+    assert main(["bench-dllm", "--model", str(out), "--method", "blockbatch", "--block-sizes", "16,64",
+                 "--refresh-tokens", "64", "--seed", "5", "--limit", "1", "--json", str(tmp_path / "set.json")]) == 0
+    report = json.loads((tmp_path / "set.json").read_text())
+    assert report["block_sizes"] == [16, 64] and report["refresh_tokens"] == 64 and "plan" not in report
     assert main(["card", "--drafter", str(out), "--bench", f"a={tmp_path / 'fast-dllm.json'}",
                  f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
     card = (out / "README.md").read_text()

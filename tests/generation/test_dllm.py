@@ -93,6 +93,11 @@ def test_query_tokens_count_what_runs_through_the_model():
     dlm = tiny_dlm()
     cached = fast_dllm_generate(DiffusionModel(dlm), prompt, gen_length=8, block_size=4)
     assert cached.query_tokens == cached.nfe_full * 10 + cached.nfe_block * 4
+    packed = blockbatch_generate(DiffusionModel(dlm), prompt, gen_length=8, block_sizes=(2, 8), refresh_tokens=None,
+                                 exchange=False, stop_early=False)
+    steps = [queries for kind, queries in packed.forwards if kind == "block"]
+    assert steps and all(q in ((8, 2), (8,), (2,)) for q in steps)  # the live windows, 10 queries, not 2 x 8
+    assert packed.query_tokens == 10 + sum(map(sum, steps))
 
 
 class _DreamScripted(_Scripted):
@@ -165,7 +170,38 @@ def test_block_forward_on_a_fresh_cache_equals_full_forward(shift):
     targets = torch.tensor([[8, 9, 10, 11], [12, 13, 14, 14]])
     write = torch.tensor([[True] * 4, [True, True, True, False]])  # padding repeats the last position
     block = dlm.block(x, targets, write, cache)
-    assert torch.allclose(block, full.gather(1, targets[..., None].expand(-1, -1, VOCAB)), atol=1e-5)
+    expected = full.gather(1, targets[..., None].expand(-1, -1, VOCAB))
+    assert torch.allclose(block[write], expected[write], atol=1e-5)
+    assert not block[~write].any()  # padding is not run: zero logits
+
+
+def ragged_block_equals_rows_alone(dlm: DiffusionModel, vocab: int, length: int = 20) -> None:
+    """A block call of windows of 6 and 3 positions (the second padded) gives each row the logits and the cache
+    entries of that row's call alone: the packed queries attend to their own cache row only."""
+    gen = torch.Generator().manual_seed(5)
+    before = torch.randint(3, vocab, (2, length), generator=gen)
+    after = before.clone()
+    after[:, 8:14] = torch.randint(3, vocab, (2, 6), generator=gen)  # the windows change after the full forward
+    targets = torch.tensor([[8, 9, 10, 11, 12, 13], [11, 12, 13, 13, 13, 13]])
+    write = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
+    batched = dlm.new_cache()
+    dlm.full(before, batched)
+    logits = dlm.block(after, targets, write, batched)
+    assert not logits[1, 3:].any()
+    for r, n in ((0, 6), (1, 3)):
+        alone = dlm.new_cache()
+        dlm.full(before[r : r + 1], alone)
+        window = targets[r : r + 1, :n]
+        expected = dlm.block(after[r : r + 1], window, torch.ones_like(window, dtype=torch.bool), alone)
+        torch.testing.assert_close(logits[r, :n], expected[0], atol=1e-5, rtol=1e-4)
+        for mine, theirs in ((batched.keys, alone.keys), (batched.values, alone.values)):
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a[r], b[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_ragged_block_call_equals_each_row_alone(shift):
+    ragged_block_equals_rows_alone(DiffusionModel(tiny_dlm(shift)), VOCAB)
 
 
 def test_dual_cache_replaces_the_block_in_place():
@@ -203,10 +239,13 @@ def test_merge_adopts_only_confident_compatible_tokens():
     state = _state([[3, 4, 10, 11, 12, 13, 14, 15, m, m],   # branch 0 (block 2), window [6, 8)
                     [3, 4, 10, 11, 12, 13, m, m, m, m]], sizes=[2, 8])  # branch 1 (block 8), window [2, 10)
     state.start = [6, 2]
-    state.ids[1, 6, 0], state.probs[1, 6, 0] = 14, 0.8  # branch 1's own beliefs
-    state.ids[1, 7, 0], state.probs[1, 7, 0] = 15, 0.3
+    state.best[1, 6], state.prob[1, 6] = 14, 0.8  # branch 1's own beliefs
+    state.best[1, 7], state.prob[1, 7] = 15, 0.3
     assert merge(state, gate=0.5) == 1
     assert int(state.x[1, 6]) == 14 and int(state.x[1, 7]) == MASK
+    with pytest.raises(ValueError, match="merge_gate must be at least 0.5"):  # the map holds the top token only
+        blockbatch_generate(DiffusionModel(tiny_dlm()), torch.tensor([[3, 4]]), gen_length=8, block_sizes=(4, 8),
+                            merge_gate=0.3)
     # an incompatible source (disagrees where both are filled) gives nothing
     state.x[1, 6], state.x[0, 3], state.start = MASK, 20, [6, 2]
     assert merge(state, gate=0.5) == 0

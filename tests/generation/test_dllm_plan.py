@@ -58,21 +58,21 @@ def test_climbing_model_shares_across_branches():
     alone = blockbatch_generate(_Climbing(), PROMPT, G, (16,))
     pair = blockbatch_generate(_Climbing(), PROMPT, G, (4, 16))
     assert alone.nfe == 16 and pair.nfe == 11 and alone.sequence.tolist() == pair.sequence.tolist() == ANSWER
-    assert pair.forwards[0] == ("full", 1, 18) and set(pair.forwards[1:]) == {("full", 2, 18)}  # no dual cache
+    assert pair.forwards[0] == ("full", (18,)) and set(pair.forwards[1:]) == {("full", (18, 18))}  # no dual cache
 
 
 def test_plan_keeps_branches_when_a_batched_row_is_free_and_drops_them_when_it_costs_a_row():
-    free = _plan(lambda kind, rows, queries: 1.0)  # GPU-like: a forward costs the same at any batch
+    free = _plan(lambda kind, queries: 1.0)  # GPU-like: a forward costs the same at any batch
     assert len(free.block_sizes) >= 3
     chosen = next(c for c in free.candidates if c.block_sizes == free.block_sizes)
     assert chosen.expected_seconds == chosen.nfe < 16 and chosen.agreement == 1.0
 
-    per_row = _plan(lambda kind, rows, queries: float(rows))  # compute-bound: r rows cost r forwards
+    per_row = _plan(lambda kind, queries: float(len(queries)))  # compute-bound: r rows cost r forwards
     assert len(per_row.block_sizes) == 1  # {4, 16}: 1 + 10 x 2 = 21 s > 16 s alone
     pair = next(c for c in per_row.candidates if len(c.block_sizes) == 2)
     assert pair.expected_seconds > 16.0 and "stop" in per_row.reason
 
-    forced = _plan(lambda kind, rows, queries: float(rows), min_branches=2)
+    forced = _plan(lambda kind, queries: float(len(queries)), min_branches=2)
     assert len(forced.block_sizes) == 2 and "needed for 2 branches" in forced.reason
 
 
@@ -84,11 +84,11 @@ def test_plan_falls_back_to_the_reference_when_no_cheaper_set_agrees():
             return logits.roll(1, -1) if alone else logits
 
     plan = plan_blockbatch(Disagreeing(), [PROMPT], G, (4, 16), min_branches=1,
-                           step_seconds=lambda kind, rows, queries: float(rows) ** 3)
+                           step_seconds=lambda kind, queries: float(len(queries)) ** 3)
     assert plan.block_sizes == (4, 16) and "the reference set" in plan.reason
     # answers worded otherwise that check the same (here: every answer counts as the same) do agree
     lenient = plan_blockbatch(Disagreeing(), [PROMPT], G, (4, 16), min_branches=1,
-                              step_seconds=lambda kind, rows, queries: float(rows) ** 3, agree=lambda a, b: True)
+                              step_seconds=lambda kind, queries: float(len(queries)) ** 3, agree=lambda a, b: True)
     assert len(lenient.block_sizes) == 1 and all(c.agreement == 1.0 for c in lenient.candidates)
 
 
@@ -108,7 +108,7 @@ def test_with_known_answers_a_set_must_answer_as_many_right_as_fast_dllm():
     def right(i, sequence):
         return sequence.tolist() == ANSWER
 
-    cheap_wide = dict(step_seconds=lambda kind, rows, queries: rows * (1.0 if queries == 16 else 3.0))
+    cheap_wide = dict(step_seconds=lambda kind, queries: sum(1.0 if q == 16 else 3.0 for q in queries))
     plan = plan_blockbatch(WrongWhenWide(), [PROMPT], G, (4, 8, 16), min_branches=1, check=right,
                            baseline_block_size=8, **cheap_wide)
     assert plan.baseline is not None and plan.baseline.correct == 1.0
@@ -122,8 +122,8 @@ def test_with_known_answers_a_set_must_answer_as_many_right_as_fast_dllm():
 
 
 class _Clocked:
-    """A DiffusionModel that advances a fake clock by 1 ms per query token it runs (a spike of 1 s on every 7th
-    call: the median of interleaved repeats must not see it)."""
+    """A DiffusionModel that advances a fake clock by 1 ms per query token it runs, padding not counted (a spike of
+    1 s on every 7th call: the median of interleaved repeats must not see it)."""
 
     def __init__(self, inner: DiffusionModel):
         self.inner, self.now, self.calls = inner, 0.0, 0
@@ -140,16 +140,16 @@ class _Clocked:
         return self.inner.full(x, cache)
 
     def block(self, x, targets, write, cache=None):
-        self._tick(targets.numel())
+        self._tick(int(write.sum()))
         return self.inner.block(x, targets, write, cache)
 
 
 def test_step_costs_measured_with_a_fake_clock():
     model = _Clocked(DiffusionModel(tiny_dlm()))
-    shapes = [("full", 1, 20), ("full", 3, 20), ("block", 2, 4), ("block", 3, 8)]
+    shapes = [("full", (20,)), ("full", (20,) * 3), ("block", (4, 4)), ("block", (8, 8, 8)), ("block", (8, 4))]
     costs = measure_step_costs(model, torch.randint(3, VOCAB, (1, 4)), G, shapes, repeats=5, clock=lambda: model.now)
-    assert costs == pytest.approx({("full", 1, 20): 0.020, ("full", 3, 20): 0.060, ("block", 2, 4): 0.008,
-                                   ("block", 3, 8): 0.024})
+    assert costs == pytest.approx({("full", (20,)): 0.020, ("full", (20,) * 3): 0.060, ("block", (4, 4)): 0.008,
+                                   ("block", (8, 8, 8)): 0.024, ("block", (8, 4)): 0.012})  # windows 8 and 4, packed
 
 
 def test_plan_prices_the_forwards_each_run_made():
@@ -162,16 +162,18 @@ def test_plan_prices_the_forwards_each_run_made():
     assert len(plan.candidates) >= 1 + 3 + 2
     for c in plan.candidates:
         assert c.expected_seconds == pytest.approx(c.measured_seconds)
-    assert plan.seconds("full", 3, 20) == pytest.approx(3 * plan.seconds("full", 1, 20))
+    assert plan.seconds("full", (20,) * 3) == pytest.approx(3 * plan.seconds("full", (20,)))
     assert plan.batched_vs_single["full"] == {"2": 2.0, "3": 3.0}
+    assert plan.batched_vs_single["block"]["16+8"] == 1.5  # 24 queries packed, against one row of 16
+    assert plan.seconds("block", (8, 16)) == plan.seconds("block", (16, 8))
 
 
 def test_plan_round_trips_through_json():
-    plan = _plan(lambda kind, rows, queries: 0.5 * rows)
+    plan = _plan(lambda kind, queries: 0.5 * len(queries))
     d = json.loads(json.dumps(plan.to_dict()))
     assert d["block_sizes"] == list(plan.block_sizes) and d["reason"] == plan.reason
-    assert {"kind": "full", "rows": 3, "queries": G + 2, "seconds": 1.5} in d["step_costs"]
-    assert d["batched_vs_single"]["full"]["4"] == 4.0 and d["batched_vs_single"]["block"]["8"]["2"] == 2.0
+    assert {"kind": "full", "rows": 3, "queries": [G + 2] * 3, "seconds": 1.5} in d["step_costs"]
+    assert d["batched_vs_single"]["full"]["4"] == 4.0 and d["batched_vs_single"]["block"]["8+4"] == 2.0
     again = BlockBatchPlan.from_dict(d)  # equal up to the microsecond rounding of measured wall-clock
     assert again.to_dict() == d and again.block_sizes == plan.block_sizes and again.step_costs == plan.step_costs
 
@@ -207,7 +209,7 @@ def test_a_refresh_runs_each_distinct_row_once():
     result = blockbatch_generate(dlm, prompt, G, (2, 4, 8), threshold=0.0, refresh_tokens=1, stop_early=False)
     refreshes = [f for f in result.forwards[1:] if f[0] == "full"]
     assert len(refreshes) == result.events["refreshes"] >= 1 and result.nfe_full == 1 + len(refreshes)
-    assert result.forwards[1] == ("full", 1, 4 + G) and all(rows <= 3 for _, rows, _ in refreshes)
+    assert result.forwards[1] == ("full", (4 + G,)) and all(len(queries) <= 3 for _, queries in refreshes)
 
     cache, fresh = DualCache(1), DualCache(1)
     cache.keys, cache.values = [torch.zeros(4, 1, 3, 2)], [torch.zeros(4, 1, 3, 2)]
@@ -244,5 +246,21 @@ def test_bench_both_reports_the_two_methods_side_by_side():
 
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
-    assert c.to_dict() == {"block_sizes": [4, 8], "nfe": 2.5, "expected_seconds": 0.01, "measured_seconds": 0.012,
+    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "nfe": 2.5, "expected_seconds": 0.01, "measured_seconds": 0.012,
                            "agreement": 1.0, "correct": None}
+
+
+def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
+    """Where a full forward is dear, the plan keeps the longer refresh interval (fewer refreshes, same answers), and
+    `blockbatch_generate(plan=...)` refreshes at that interval."""
+    dlm = DiffusionModel(tiny_dlm(seed=3))
+    prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
+    dear_full = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2, 8),
+                                step_seconds=lambda kind, queries: 20.0 * len(queries) if kind == "full" else 1.0,
+                                agree=lambda a, b: True)
+    assert dear_full.refresh_tokens == 8 and f"{{{','.join(map(str, dear_full.block_sizes))}}}/r8" in dear_full.reason
+    runs = {c.refresh_tokens: c for c in dear_full.candidates if c.block_sizes == dear_full.block_sizes}
+    assert set(runs) == {2, 8} and runs[8].expected_seconds < runs[2].expected_seconds  # every pair at both
+    planned = blockbatch_generate(dlm, prompt, G, plan=dear_full)
+    assert planned.forwards == blockbatch_generate(dlm, prompt, G, dear_full.block_sizes, refresh_tokens=8).forwards
+    assert BlockBatchPlan.from_dict(json.loads(json.dumps(dear_full.to_dict()))).refresh_tokens == 8

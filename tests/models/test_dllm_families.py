@@ -24,6 +24,7 @@ from hf_dscale.generation import dllm_generate, fast_dllm_generate
 from hf_dscale.models import DreamModel, LLaDAModelLM
 from hf_dscale.models.dllm import DiffusionModel
 
+from ..generation.test_dllm import ragged_block_equals_rows_alone
 from ..hub_cache import add_to_hub_cache
 
 VOCAB, ROWS, MASK = 60, 64, 59  # LLaDA's embedding has padding rows past the vocabulary, as published
@@ -206,6 +207,10 @@ def test_one_token_per_step_equals_the_reference_decode(family):
                                 block_size=8, threshold=1.01, commit_first=False)
     assert result.sequence.tolist() == expected
     assert result.nfe == forwards == 16
+
+
+def test_ragged_block_call_equals_each_row_alone(family):
+    ragged_block_equals_rows_alone(DiffusionModel(AutoModel.from_pretrained(family.folder).eval()), VOCAB)
 
 
 @pytest.mark.parametrize("method", ["fast-dllm", "blockbatch"])

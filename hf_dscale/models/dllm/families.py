@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
-from .modeling_dllm import DiffusionLMOutput, DualCache, _rms, _rope, dual_cache_kv
+from .modeling_dllm import BlockQueries, DiffusionLMOutput, DualCache, _rms, attend, block_queries, rotary, rotate
 
 LLADA_MASK_ID = 126336
 DREAM_MASK_ID = 151666
@@ -44,31 +44,19 @@ class _RMSNorm(nn.Module):
         return _rms(x, self.weight, self.eps)
 
 
-def _attend(q, k, v, positions, theta, cache: DualCache | None, layer: int, write, key_padding):
-    """Bidirectional attention of q [B, Hq, Q, d] over k, v [B, Hkv, Q, d] (rotated here), with the dual cache: a
-    full forward fills `cache`, a block forward writes its K/V in place (where `write`) and attends to all L keys."""
-    q, k = _rope(q, positions, theta), _rope(k, positions, theta)
-    k, v = dual_cache_kv(k, v, positions, cache, layer, write)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+def _attend(q, k, v, rot, cache: DualCache | None, layer: int, block: BlockQueries | None, key_padding):
+    """Bidirectional attention of q [B, Hq, Q, d] over k, v [B, Hkv, Q, d] (rotated here) with the dual cache
+    (`modeling_dllm.attend`); key_padding [B, L] bool (True = a real token) or None. Returns [B, Q, Hq * d]."""
     bias = None
-    if key_padding is not None:  # [B, L] bool, True = a real token
+    if key_padding is not None:
         bias = torch.zeros(key_padding.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~key_padding, torch.finfo(q.dtype).min)[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return attend(rotate(q, rot), rotate(k, rot), v, cache, layer, block, bias)
 
 
 def _heads(x, proj, heads):
     b, q, _ = x.shape
     return proj(x).view(b, q, heads, -1).transpose(1, 2)
-
-
-def _positions(input_ids, position_ids):
-    if position_ids is not None:
-        return position_ids
-    b, q = input_ids.shape
-    return torch.arange(q, device=input_ids.device)[None].expand(b, q)
 
 
 def _key_padding(attention_mask):
@@ -140,19 +128,17 @@ class _LLaDABlock(nn.Module):
         super().__init__()
         d, h, kv = config.d_model, config.mlp_size, config.kv_heads * (config.d_model // config.n_heads)
         bias, qkv_bias = config.include_bias, config.include_bias or config.include_qkv_bias
-        self.heads, self.kv_heads, self.theta = config.n_heads, config.kv_heads, config.rope_theta
+        self.heads, self.kv_heads = config.n_heads, config.kv_heads
         self.attn_norm, self.ff_norm = _RMSNorm(d, config.rms_norm_eps), _RMSNorm(d, config.rms_norm_eps)
         self.q_proj, self.k_proj = nn.Linear(d, d, bias=qkv_bias), nn.Linear(d, kv, bias=qkv_bias)
         self.v_proj, self.attn_out = nn.Linear(d, kv, bias=qkv_bias), nn.Linear(d, d, bias=bias)
         self.ff_proj, self.up_proj = nn.Linear(d, h, bias=bias), nn.Linear(d, h, bias=bias)
         self.ff_out = nn.Linear(h, d, bias=bias)
 
-    def forward(self, x, positions, cache, layer, write, key_padding):
-        b, q, d = x.shape
+    def forward(self, x, rot, cache, layer, block, key_padding):
         h = self.attn_norm(x)
-        out = _attend(_heads(h, self.q_proj, self.heads), _heads(h, self.k_proj, self.kv_heads),
-                      _heads(h, self.v_proj, self.kv_heads), positions, self.theta, cache, layer, write, key_padding)
-        x = x + self.attn_out(out.transpose(1, 2).reshape(b, q, d))
+        x = x + self.attn_out(_attend(_heads(h, self.q_proj, self.heads), _heads(h, self.k_proj, self.kv_heads),
+                                      _heads(h, self.v_proj, self.kv_heads), rot, cache, layer, block, key_padding))
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
 
@@ -201,14 +187,15 @@ class LLaDAModelLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache: DualCache | None = None, write=None,
                 **unused):
-        t = self.model.transformer
-        positions, key_padding = _positions(input_ids, position_ids), _key_padding(attention_mask)
+        t, key_padding = self.model.transformer, _key_padding(attention_mask)
+        input_ids, positions, block = block_queries(input_ids, position_ids, cache, write)
         x = t.wte(input_ids)
-        for i, block in enumerate(t.blocks):
-            x = block(x, positions, cache, i, write, key_padding)
+        rot = rotary(positions, self.config.d_model // self.config.n_heads, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(t.blocks):
+            x = layer(x, rot, cache, i, block, key_padding)
         x = t.ln_f(x)
         logits = t.ff_out(x) if "ff_out" in t else F.linear(x, t.wte.weight)
-        return DiffusionLMOutput(logits=logits)
+        return DiffusionLMOutput(logits=logits if block is None else block.unpack(logits))
 
 
 # ---------------------------------------------------------------------------------------------------------- Dream
@@ -238,16 +225,13 @@ class _DreamAttention(nn.Module):
         super().__init__()
         d, head = config.hidden_size, config.hidden_size // config.num_attention_heads
         kv = config.num_key_value_heads * head
-        self.heads, self.kv_heads, self.theta = config.num_attention_heads, config.num_key_value_heads, \
-            config.rope_theta
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, kv), nn.Linear(d, kv)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, h, positions, cache, layer, write, key_padding):
-        b, q, d = h.shape
-        out = _attend(_heads(h, self.q_proj, self.heads), _heads(h, self.k_proj, self.kv_heads),
-                      _heads(h, self.v_proj, self.kv_heads), positions, self.theta, cache, layer, write, key_padding)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q, d))
+    def forward(self, h, rot, cache, layer, block, key_padding):
+        return self.o_proj(_attend(_heads(h, self.q_proj, self.heads), _heads(h, self.k_proj, self.kv_heads),
+                                   _heads(h, self.v_proj, self.kv_heads), rot, cache, layer, block, key_padding))
 
 
 class _DreamMLP(nn.Module):
@@ -269,8 +253,8 @@ class _DreamLayer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = _DreamMLP(config)
 
-    def forward(self, x, positions, cache, layer, write, key_padding):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, layer, write, key_padding)
+    def forward(self, x, rot, cache, layer, block, key_padding):
+        x = x + self.self_attn(self.input_layernorm(x), rot, cache, layer, block, key_padding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -306,10 +290,14 @@ class DreamModel(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache: DualCache | None = None, write=None,
                 **unused):
-        positions, key_padding = _positions(input_ids, position_ids), _key_padding(attention_mask)
+        key_padding = _key_padding(attention_mask)
+        input_ids, positions, block = block_queries(input_ids, position_ids, cache, write)
         x = self.model.embed_tokens(input_ids)
+        rot = rotary(positions, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta,
+                     x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, cache, i, write, key_padding)
+            x = layer(x, rot, cache, i, block, key_padding)
         x = self.model.norm(x)
         head = self.lm_head.weight if not self.config.tie_word_embeddings else self.model.embed_tokens.weight
-        return DiffusionLMOutput(logits=F.linear(x, head))
+        logits = F.linear(x, head)
+        return DiffusionLMOutput(logits=logits if block is None else block.unpack(logits))

@@ -5,9 +5,11 @@ modes, both through `forward`:
 
 * **full**: the whole sequence [B, L]; with `cache` given, every layer's K/V for all L positions are
   stored in it (keys after RoPE, at their absolute positions);
-* **block**: only some positions [B, Q] (absolute `position_ids`); their new K/V replace the cached
-  ones in place where `write` is True, and their queries attend to all L cached keys of their row:
-  the prefix, the fresh block and a possibly stale suffix. That is Fast-dLLM's *dual cache*.
+* **block**: only some positions [B, Q] (absolute `position_ids`) of a filled cache; their new K/V
+  replace the cached ones in place, and their queries attend to all L cached keys of their row: the
+  prefix, the fresh block and a possibly stale suffix. That is Fast-dLLM's *dual cache*. `write`
+  [B, Q] marks the queries that run (False: padding, which is not computed and gets zero logits):
+  the real queries of all rows run packed as one row through everything but attention.
 
 `config.logits_shift` = 0 is LLaDA-style (the logit at p predicts token p), 1 is Dream-style (the logit
 at p - 1 predicts token p); decoders go through `DiffusionModel`, which aligns both.
@@ -88,39 +90,90 @@ def _rms(x, weight, eps):
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rope(x, positions, theta):
-    """x [B, H, Q, d], positions [B, Q]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rotary(positions, head_dim, theta, dtype):
+    """RoPE's (cos, sin) [B, 1, Q, head_dim] for positions [B, Q]: computed once per forward, used by every layer."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions[:, None, :, None].float() * inv
-    cos, sin = torch.cat((freqs, freqs), -1).cos().to(x.dtype), torch.cat((freqs, freqs), -1).sin().to(x.dtype)
+    angles = torch.cat((freqs, freqs), -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x, rot):
+    """Split-half RoPE of x [B, H, Q, d] with `rotary`'s (cos, sin)."""
+    cos, sin = rot
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
-def dual_cache_kv(k, v, positions, cache: DualCache | None, layer: int, write: torch.Tensor | None):
-    """The keys and values [B, heads, *, d] a layer attends to. Without a cache, k and v; a full forward (the layer's
-    cache still empty) stores them; a block forward writes them in place at `positions` [B, Q] where `write` [B, Q]
-    is True (all of them when None) and returns every cached position of the row."""
-    if cache is None:
-        return k, v
-    if cache.keys[layer] is None:
-        cache.keys[layer], cache.values[layer] = k, v
-        return k, v
-    keys, values = cache.keys[layer], cache.values[layer]
-    b, q = positions.shape
-    rows = torch.arange(b, device=k.device)[:, None].expand(b, q)
-    sel = write if write is not None else torch.ones(b, q, dtype=torch.bool, device=k.device)
-    keys[rows[sel], :, positions[sel]] = k.transpose(1, 2)[sel]
-    values[rows[sel], :, positions[sel]] = v.transpose(1, 2)[sel]
-    return keys, values
+class BlockQueries:
+    """The queries of a block call that run: those where `write` [B, Q] is True (False marks padding, e.g. a short
+    window in a batch of wider ones). Position-wise work (norms, projections, MLP, LM head) takes the T real queries
+    packed into one row [1, T]; attention unpacks them to their rows, each attending to its own cache row. A batch of
+    windows of 16 and 32 positions costs 48 queries, not 2 x 32."""
+
+    def __init__(self, write: torch.Tensor, positions: torch.Tensor):
+        self.shape = write.shape
+        self.dense = bool(write.all())
+        self.index = None if self.dense else write.flatten().nonzero().squeeze(1)  # [T] into B * Q
+        rows = torch.arange(write.shape[0], device=write.device)[:, None].expand(write.shape)
+        self.rows = self.pack(rows)[0]  # [T]: the cache row of each query
+        self.positions = self.pack(positions)  # [1, T]
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> [1, T, ...]: the real queries."""
+        flat = t.flatten(0, 1)
+        return (flat if self.dense else flat[self.index])[None]
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [B, Q, ...], zeros at padding."""
+        if self.dense:
+            return t.reshape(*self.shape, *t.shape[2:])
+        out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[2:])
+        out[self.index] = t[0]
+        return out.view(*self.shape, *t.shape[2:])
+
+
+def attend(q, k, v, cache: DualCache | None, layer: int, block: BlockQueries | None, bias=None):
+    """Bidirectional attention; q [b, Hq, T, d], k and v [b, Hkv, T, d] (rotated). Returns [b, T, Hq * d].
+
+    Without `block`, the T positions attend to each other (a full forward, whose K/V fill `cache` when given). With
+    `block` (b = 1, T packed queries), their K/V replace the cached ones of their rows at their positions, and each
+    query attends to all L cached keys of its row: the prefix, the fresh block and a possibly stale suffix (the dual
+    cache). `bias`: an additive attention mask [B, 1, 1, L] (key padding) or None.
+    """
+    if block is None:
+        if cache is not None:
+            cache.keys[layer], cache.values[layer] = k, v
+    else:
+        keys, values = cache.keys[layer], cache.values[layer]
+        keys[block.rows, :, block.positions[0]] = k[0].transpose(0, 1)
+        values[block.rows, :, block.positions[0]] = v[0].transpose(0, 1)
+        k, v = keys, values
+        q = block.unpack(q.transpose(1, 2)).transpose(1, 2)  # [B, Hq, Q, d]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)  # [B, Q, Hq * d]
+    return out if block is None else block.pack(out)
+
+
+def block_queries(input_ids, position_ids, cache: DualCache | None, write) -> tuple:
+    """A forward's (input_ids, positions, BlockQueries or None): a block call (the cache already filled) runs its
+    real queries packed; a full forward, or one without a cache, runs as given."""
+    b, q = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(q, device=input_ids.device)[None].expand(b, q)
+    if cache is None or not len(cache):
+        return input_ids, position_ids, None
+    block = BlockQueries(torch.ones_like(input_ids, dtype=torch.bool) if write is None else write, position_ids)
+    return block.pack(input_ids), block.positions, block
 
 
 class _Layer(nn.Module):
     def __init__(self, config: DiffusionLMConfig):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.heads, self.eps, self.theta = config.num_attention_heads, config.rms_norm_eps, config.rope_theta
+        self.heads, self.eps = config.num_attention_heads, config.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(h))
         self.mlp_norm = nn.Parameter(torch.ones(h))
         self.qkv = nn.Linear(h, 3 * h, bias=False)
@@ -128,14 +181,11 @@ class _Layer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * i, bias=False)
         self.down = nn.Linear(i, h, bias=False)
 
-    def forward(self, x, positions, cache: DualCache | None, layer: int, write: torch.Tensor | None):
+    def forward(self, x, rot, cache: DualCache | None, layer: int, block: BlockQueries | None):
         b, q, h = x.shape
         qkv = self.qkv(_rms(x, self.attn_norm, self.eps)).view(b, q, 3, self.heads, h // self.heads)
         qh, kh, vh = (t.transpose(1, 2) for t in qkv.unbind(2))
-        qh, kh = _rope(qh, positions, self.theta), _rope(kh, positions, self.theta)
-        kh, vh = dual_cache_kv(kh, vh, positions, cache, layer, write)
-        out = F.scaled_dot_product_attention(qh, kh, vh)  # bidirectional
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b, q, h))
+        x = x + self.o_proj(attend(rotate(qh, rot), rotate(kh, rot), vh, cache, layer, block))
         gate, up = self.gate_up(_rms(x, self.mlp_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -171,10 +221,11 @@ class DiffusionLM(PreTrainedModel, GenerationMixin):
         return self.embed
 
     def forward(self, input_ids, position_ids=None, cache: DualCache | None = None, write=None, **unused):
-        b, q = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(q, device=input_ids.device)[None].expand(b, q)
+        input_ids, positions, block = block_queries(input_ids, position_ids, cache, write)
         x = self.embed(input_ids)
+        rot = rotary(positions, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta,
+                     x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, position_ids, cache, i, write)
-        return DiffusionLMOutput(logits=self.lm_head(_rms(x, self.norm, self.config.rms_norm_eps)))
+            x = layer(x, rot, cache, i, block)
+        logits = self.lm_head(_rms(x, self.norm, self.config.rms_norm_eps))
+        return DiffusionLMOutput(logits=logits if block is None else block.unpack(logits))
