@@ -69,15 +69,24 @@ def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.T
     """
     one = torch.zeros(1, dtype=torch.long, device=row.device)
     valid = torch.ones(1, positions.numel(), dtype=torch.bool, device=row.device)
-    return int(commit_windows(row[None], one, positions[None], valid, logits[None], mask_id, threshold)[0])
+    conf, tokens, _ = confidences(logits[None], mask_id)
+    return int(commit_windows(row[None], one, positions[None], valid, conf, tokens, mask_id, threshold)[0])
+
+
+def confidences(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conf, tokens, probs) of logits [..., V]: the probabilities (float64) of the vocabulary without the mask token
+    [..., V], and the most likely token and its probability [...]."""
+    drop = torch.tensor([mask_id], device=logits.device)
+    probs = torch.softmax(logits.double().index_fill(-1, drop, float("-inf")), dim=-1)
+    conf, tokens = probs.max(-1)
+    return conf, tokens, probs
 
 
 def commit_windows(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                   logits: torch.Tensor, mask_id: int, threshold: float) -> torch.Tensor:
+                   conf: torch.Tensor, tokens: torch.Tensor, mask_id: int, threshold: float) -> torch.Tensor:
     """`threshold_commit` for several rows of x [N, L] in one pass: row rows[k] commits at its positions targets[k]
-    [Q] where valid[k] (False: padding), from logits[k] [Q, V]. Returns the counts committed [R] (a tensor)."""
-    drop = torch.tensor([mask_id], device=logits.device)
-    conf, tokens = torch.softmax(logits.double().index_fill(-1, drop, float("-inf")), dim=-1).max(-1)  # [R, Q]
+    [Q] where valid[k] (False: padding), from `confidences`' conf[k] and tokens[k] [Q] there. Returns the counts
+    committed [R] (a tensor)."""
     masked = valid & (x[rows[:, None], targets] == mask_id)
     conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
     chosen = masked & (conf >= threshold)
@@ -185,6 +194,7 @@ class _Branches:
         self.best = torch.zeros(n, length, dtype=torch.long, device=x.device)
         self.eos = torch.zeros(n, length, device=x.device)
         self.cache = model.new_cache()
+        self._windows = None  # (key, windows) of the last `windows` call
 
     def window(self, i: int) -> torch.Tensor:
         return torch.arange(self.start[i], self.start[i] + self.sizes[i], device=self.x.device)
@@ -195,13 +205,17 @@ class _Branches:
 
     def windows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows of `rows` as (targets [R, Q], valid [R, Q]): Q the widest, shorter ones padded with their last
-        position (valid False)."""
+        position (valid False). Kept until a window moves."""
+        key = tuple((i, self.start[i]) for i in rows)
+        if self._windows is not None and self._windows[0] == key:
+            return self._windows[1]
         q = max(self.sizes[i] for i in rows)
         offsets = torch.arange(q, device=self.x.device)
         sizes = torch.tensor([self.sizes[i] for i in rows], device=self.x.device)
         starts = torch.tensor([self.start[i] for i in rows], device=self.x.device)
         valid = offsets < sizes[:, None]
-        return starts[:, None] + torch.minimum(offsets, sizes[:, None] - 1), valid
+        self._windows = key, (starts[:, None] + torch.minimum(offsets, sizes[:, None] - 1), valid)
+        return self._windows[1]
 
     def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, ...], targets: torch.Tensor,
                  valid: torch.Tensor) -> None:
@@ -319,11 +333,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if state.cache is not None:
         state.cache.expand(n)
     rows = torch.arange(n, device=x1.device)
-    beliefs = _beliefs(logits, prob_floor, eos)  # [1, L] each
+    conf, tokens, probs = confidences(logits, mask_id)  # [1, L] twice, [1, L, V]
+    beliefs = _beliefs(conf, tokens, probs, prob_floor, eos)  # [1, L] each
     state.remember(rows, tuple(b.expand(n, -1) for b in beliefs), every.expand(n, -1),
                    torch.ones(n, length, dtype=torch.bool, device=x1.device))
     targets, valid = state.windows(list(range(n)))
-    commit_windows(state.x, rows, targets, valid, logits[0, targets], mask_id, threshold)
+    commit_windows(state.x, rows, targets, valid, conf[0, targets], tokens[0, targets], mask_id, threshold)
     state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
@@ -344,22 +359,27 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            beliefs = _beliefs(logits, prob_floor, eos)  # [U, L] each
+            conf, tokens, probs = confidences(logits, mask_id)  # [U, L] twice, [U, L, V]
+            beliefs = _beliefs(conf, tokens, probs, prob_floor, eos)  # [U, L] each
             state.remember(rows, tuple(b[of_row] for b in beliefs), every.expand(len(live), -1),
                            torch.ones(len(live), length, dtype=torch.bool, device=x1.device))
             for i in live:
                 state.since_refresh[i] = 0
-            logits = logits[of_row[:, None], targets]  # [R, Q, V]: each branch's window
+            conf, tokens = conf[of_row[:, None], targets], tokens[of_row[:, None], targets]  # [R, Q]: windows
         else:
-            write = torch.zeros(n, targets.shape[1], dtype=torch.bool, device=x1.device)
-            write[rows] = valid  # done branches' rows run nothing; padding is not run
-            every_row = torch.full((n, targets.shape[1]), p, dtype=torch.long, device=x1.device)
-            every_row[rows] = targets
-            logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
+            if len(live) == n:
+                logits = model.block(state.x, targets, valid, state.cache)  # [n, Q, V]; padding is not run
+            else:  # done branches' rows run nothing
+                write = torch.zeros(n, targets.shape[1], dtype=torch.bool, device=x1.device)
+                write[rows] = valid
+                every_row = torch.full((n, targets.shape[1]), p, dtype=torch.long, device=x1.device)
+                every_row[rows] = targets
+                logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            state.remember(rows, _beliefs(logits, prob_floor, eos), targets, valid)
-        commit_windows(state.x, rows, targets, valid, logits, mask_id, threshold)
+            conf, tokens, probs = confidences(logits, mask_id)
+            state.remember(rows, _beliefs(conf, tokens, probs, prob_floor, eos), targets, valid)
+        commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
         force_block = False
         if stop_early:
             ends = dict(zip(live, answer_ends(state.x[rows], p, mask_id, eos)))
@@ -383,13 +403,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _beliefs(logits: torch.Tensor, floor: float, eos: int | None) -> tuple[torch.Tensor, ...]:
-    """(prob, best, eos) [...]: the most likely token's probability and id, and the EOS probability, of logits
-    [..., V]; probabilities at or below `floor` are zeroed."""
-    probs = torch.softmax(logits.float(), -1)
-    prob, best = probs.max(-1)
-    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(prob)
-    return torch.where(prob > floor, prob, 0.0), best, torch.where(eos_p > floor, eos_p, 0.0)
+def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float,
+             eos: int | None) -> tuple[torch.Tensor, ...]:
+    """(prob, best, eos) [...] from `confidences`: the most likely token's probability and id, and the EOS
+    probability; probabilities at or below `floor` are zeroed."""
+    eos_p = probs[..., eos].float() if eos is not None else torch.zeros_like(conf, dtype=torch.float32)
+    return torch.where(conf > floor, conf, 0.0).float(), tokens, torch.where(eos_p > floor, eos_p, 0.0)
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:

@@ -114,7 +114,10 @@ class BlockQueries:
     def __init__(self, write: torch.Tensor, positions: torch.Tensor):
         self.shape = write.shape
         self.dense = bool(write.all())
-        self.index = None if self.dense else write.flatten().nonzero().squeeze(1)  # [T] into B * Q
+        flat = write.flatten()
+        self.index = None if self.dense else flat.nonzero().squeeze(1)  # [T] into B * Q
+        # each of the B * Q slots -> a packed query: its own, or (padding) the last real one before it
+        self.slots = None if self.dense else (flat.cumsum(0) - 1).clamp_min(0)
         rows = torch.arange(write.shape[0], device=write.device)[:, None].expand(write.shape)
         self.rows = self.pack(rows)[0]  # [T]: the cache row of each query
         self.positions = self.pack(positions)  # [1, T]
@@ -131,6 +134,12 @@ class BlockQueries:
         out = t.new_zeros(self.shape[0] * self.shape[1], *t.shape[2:])
         out[self.index] = t[0]
         return out.view(*self.shape, *t.shape[2:])
+
+    def spread(self, t: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [B, Q, ...] with a copy of a real query at each padding slot (one gather: for attention,
+        whose padding outputs `pack` drops)."""
+        flat = t[0] if self.dense else t[0][self.slots]
+        return flat.reshape(*self.shape, *t.shape[2:])
 
 
 def attend(q, k, v, cache: DualCache | None, layer: int, block: BlockQueries | None, bias=None):
@@ -149,7 +158,7 @@ def attend(q, k, v, cache: DualCache | None, layer: int, block: BlockQueries | N
         keys[block.rows, :, block.positions[0]] = k[0].transpose(0, 1)
         values[block.rows, :, block.positions[0]] = v[0].transpose(0, 1)
         k, v = keys, values
-        q = block.unpack(q.transpose(1, 2)).transpose(1, 2)  # [B, Hq, Q, d]
+        q = block.spread(q.transpose(1, 2)).transpose(1, 2)  # [B, Hq, Q, d]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
