@@ -333,12 +333,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if state.cache is not None:
         state.cache.expand(n)
     rows = torch.arange(n, device=x1.device)
-    conf, tokens, probs = confidences(logits, mask_id)  # [1, L] twice, [1, L, V]
-    beliefs = _beliefs(conf, tokens, probs, prob_floor, eos)  # [1, L] each
+    beliefs = _beliefs(logits, mask_id, prob_floor, eos)  # [1, L] each
     state.remember(rows, tuple(b.expand(n, -1) for b in beliefs), every.expand(n, -1),
                    torch.ones(n, length, dtype=torch.bool, device=x1.device))
     targets, valid = state.windows(list(range(n)))
-    commit_windows(state.x, rows, targets, valid, conf[0, targets], tokens[0, targets], mask_id, threshold)
+    conf, tokens, _ = confidences(logits[0, targets], mask_id)  # [n, Q] twice
+    commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
     state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
@@ -359,13 +359,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            conf, tokens, probs = confidences(logits, mask_id)  # [U, L] twice, [U, L, V]
-            beliefs = _beliefs(conf, tokens, probs, prob_floor, eos)  # [U, L] each
+            beliefs = _beliefs(logits, mask_id, prob_floor, eos)  # [U, L] each
             state.remember(rows, tuple(b[of_row] for b in beliefs), every.expand(len(live), -1),
                            torch.ones(len(live), length, dtype=torch.bool, device=x1.device))
             for i in live:
                 state.since_refresh[i] = 0
-            conf, tokens = conf[of_row[:, None], targets], tokens[of_row[:, None], targets]  # [R, Q]: windows
+            conf, tokens, _ = confidences(logits[of_row[:, None], targets], mask_id)  # [R, Q]: the windows
         else:
             if len(live) == n:
                 logits = model.block(state.x, targets, valid, state.cache)  # [n, Q, V]; padding is not run
@@ -377,8 +376,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            conf, tokens, probs = confidences(logits, mask_id)
-            state.remember(rows, _beliefs(conf, tokens, probs, prob_floor, eos), targets, valid)
+            state.remember(rows, _beliefs(logits, mask_id, prob_floor, eos), targets, valid)
+            conf, tokens, _ = confidences(logits, mask_id)
         commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
         force_block = False
         if stop_early:
@@ -403,12 +402,14 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float,
-             eos: int | None) -> tuple[torch.Tensor, ...]:
-    """(prob, best, eos) [...] from `confidences`: the most likely token's probability and id, and the EOS
-    probability; probabilities at or below `floor` are zeroed."""
-    eos_p = probs[..., eos].float() if eos is not None else torch.zeros_like(conf, dtype=torch.float32)
-    return torch.where(conf > floor, conf, 0.0).float(), tokens, torch.where(eos_p > floor, eos_p, 0.0)
+def _beliefs(logits: torch.Tensor, mask_id: int, floor: float, eos: int | None) -> tuple[torch.Tensor, ...]:
+    """(prob, best, eos) [...] of logits [..., V] (float32, the mask token left out): the most likely token's
+    probability and id, and the EOS probability; probabilities at or below `floor` are zeroed."""
+    drop = torch.tensor([mask_id], device=logits.device)
+    probs = torch.softmax(logits.float().index_fill(-1, drop, float("-inf")), dim=-1)
+    prob, best = probs.max(-1)
+    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(prob)
+    return torch.where(prob > floor, prob, 0.0), best, torch.where(eos_p > floor, eos_p, 0.0)
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:

@@ -263,4 +263,9 @@ def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
     assert set(runs) == {2, 8} and runs[8].expected_seconds < runs[2].expected_seconds  # every pair at both
     planned = blockbatch_generate(dlm, prompt, G, plan=dear_full)
     assert planned.forwards == blockbatch_generate(dlm, prompt, G, dear_full.block_sizes, refresh_tokens=8).forwards
+    for options in (dict(blockbatch_plan=dear_full), dict(block_sizes=dear_full.block_sizes, refresh_tokens=8)):
+        stats = []  # through generate(): the plan's interval, or the one given
+        dlm.model.generate(prompt, max_new_tokens=G, do_sample=False, custom_generate=dllm_generate,
+                           dllm_method="blockbatch", dllm_stats=stats, **options)
+        assert stats[0].forwards == planned.forwards
     assert BlockBatchPlan.from_dict(json.loads(json.dumps(dear_full.to_dict()))).refresh_tokens == 8
