@@ -285,9 +285,9 @@ def decode(
     engine decodes with its own (`compat.position_cache`, sized from a `max_length` stopping criterion). `plan`: how
     to decode (`calibrate`); without one, the plan for this target, batch size and `options` (`tree`,
     `prompt_lookup`, `num_branches`, `branch_policy`, `draft_confidence`; see `calibrate`) is measured once and kept
-    on the drafter (`plan_for`). It is returned in `stats.plan`. Rows that stop early are padded with `pad_token_id`, as plain `generate()` does. `tree_kernel`
-    runs the target's attention with the Triton cascade kernel during the call (default: on CUDA when Triton is
-    installed and the plan verifies trees).
+    on the drafter (`plan_for`). It is returned in `stats.plan`. Rows that stop early are padded with
+    `pad_token_id`, as plain `generate()` does. `tree_kernel` runs the target's attention with the Triton cascade
+    kernel during the call (default: on CUDA when Triton is installed and the plan verifies trees).
     """
     if plan is not None and any(value is not None for value in options.values()):
         raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")

@@ -21,8 +21,8 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
 A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
 which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
 runs (`measure_step_costs`, or a table the caller passes), decodes a few calibration prompts with candidate branch
-sets (then refresh intervals) and returns a `BlockBatchPlan` naming the set with the lowest expected seconds; `blockbatch_generate(...,
-plan=...)` decodes with it. A full refresh runs each distinct row once: rows a sync made identical give identical
+sets and refresh intervals and returns a `BlockBatchPlan` naming the one with the lowest expected seconds;
+`blockbatch_generate(..., plan=...)` decodes with it. A full refresh runs each distinct row once: rows a sync made identical give identical
 logits and cache rows, so one forward of the distinct rows is the same step at a fraction of its cost.
 """
 
@@ -73,11 +73,14 @@ def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.T
     return int(commit_windows(row[None], one, positions[None], valid, conf, tokens, mask_id, threshold)[0])
 
 
-def confidences(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(conf, tokens, probs) of logits [..., V]: the probabilities (float64) of the vocabulary without the mask token
-    [..., V], and the most likely token and its probability [...]."""
+def confidences(logits: torch.Tensor, mask_id: int,
+                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conf, tokens, probs) of logits [..., V]: the probabilities of the vocabulary without the mask token [..., V],
+    and the most likely token and its probability [...]. The threshold rule reads them in float64, BlockBatch's
+    beliefs in float32 (over whole sequences at a refresh, where float64 probabilities of every position would be
+    large)."""
     drop = torch.tensor([mask_id], device=logits.device)
-    probs = torch.softmax(logits.double().index_fill(-1, drop, float("-inf")), dim=-1)
+    probs = torch.softmax(logits.to(dtype).index_fill(-1, drop, float("-inf")), dim=-1)
     conf, tokens = probs.max(-1)
     return conf, tokens, probs
 
@@ -217,10 +220,14 @@ class _Branches:
         self._windows = key, (starts[:, None] + torch.minimum(offsets, sizes[:, None] - 1), valid)
         return self._windows[1]
 
-    def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, ...], targets: torch.Tensor,
-                 valid: torch.Tensor) -> None:
-        """Store `_beliefs`' (prob, best, eos) [R, Q] as those of branches `rows` [R] at `targets` [R, Q] where
-        `valid`."""
+    def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, ...], targets: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> None:
+        """Store `_beliefs`' (prob, best, eos) as those of branches `rows` [R]: [R, Q] at `targets` [R, Q] where
+        `valid`, or, without targets, [R or 1, L] for every position."""
+        if targets is None:
+            for mine, theirs in zip((self.prob, self.best, self.eos), beliefs):
+                mine[rows] = theirs
+            return
         r, t = rows[:, None].expand_as(targets)[valid], targets[valid]
         for mine, theirs in zip((self.prob, self.best, self.eos), beliefs):
             mine[r, t] = theirs[valid]
@@ -324,7 +331,6 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     p, mask_id, eos, n, length = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes), x1.shape[1]
     state = _Branches(model, x1.expand(n, -1).clone(), p, sizes)
     result = DLLMResult(sequence=x1[0])
-    every = torch.arange(length, device=x1.device)
 
     # init: one full forward of the prompt row, shared by every branch (1 NFE)
     logits = model.full(x1, state.cache)
@@ -333,9 +339,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if state.cache is not None:
         state.cache.expand(n)
     rows = torch.arange(n, device=x1.device)
-    beliefs = _beliefs(logits, mask_id, prob_floor, eos)  # [1, L] each
-    state.remember(rows, tuple(b.expand(n, -1) for b in beliefs), every.expand(n, -1),
-                   torch.ones(n, length, dtype=torch.bool, device=x1.device))
+    state.remember(rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos))  # [1, L] each
     targets, valid = state.windows(list(range(n)))
     conf, tokens, _ = confidences(logits[0, targets], mask_id)  # [n, Q] twice
     commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
@@ -359,9 +363,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            beliefs = _beliefs(logits, mask_id, prob_floor, eos)  # [U, L] each
-            state.remember(rows, tuple(b[of_row] for b in beliefs), every.expand(len(live), -1),
-                           torch.ones(len(live), length, dtype=torch.bool, device=x1.device))
+            beliefs = _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos)  # [U, L] each
+            state.remember(rows, tuple(b[of_row] for b in beliefs))
             for i in live:
                 state.since_refresh[i] = 0
             conf, tokens, _ = confidences(logits[of_row[:, None], targets], mask_id)  # [R, Q]: the windows
@@ -376,7 +379,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            state.remember(rows, _beliefs(logits, mask_id, prob_floor, eos), targets, valid)
+            state.remember(rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos), targets,
+                           valid)
             conf, tokens, _ = confidences(logits, mask_id)
         commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
         force_block = False
@@ -402,14 +406,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _beliefs(logits: torch.Tensor, mask_id: int, floor: float, eos: int | None) -> tuple[torch.Tensor, ...]:
-    """(prob, best, eos) [...] of logits [..., V] (float32, the mask token left out): the most likely token's
-    probability and id, and the EOS probability; probabilities at or below `floor` are zeroed."""
-    drop = torch.tensor([mask_id], device=logits.device)
-    probs = torch.softmax(logits.float().index_fill(-1, drop, float("-inf")), dim=-1)
-    prob, best = probs.max(-1)
-    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(prob)
-    return torch.where(prob > floor, prob, 0.0), best, torch.where(eos_p > floor, eos_p, 0.0)
+def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float,
+             eos: int | None) -> tuple[torch.Tensor, ...]:
+    """(prob, best, eos) [...] from `confidences(..., torch.float32)`: the most likely token's probability and id,
+    and the EOS probability; probabilities at or below `floor` are zeroed."""
+    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(conf)
+    return torch.where(conf > floor, conf, 0.0), tokens, torch.where(eos_p > floor, eos_p, 0.0)
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:
@@ -484,7 +486,8 @@ class BlockBatchPlan:
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
-                "gen_length": self.gen_length, "seq_len": self.seq_len, "reason": self.reason, "batched_vs_single": self.batched_vs_single,
+                "gen_length": self.gen_length, "seq_len": self.seq_len, "reason": self.reason,
+                "batched_vs_single": self.batched_vs_single,
                 "step_costs": [{"kind": k, "rows": len(q), "queries": list(q), "seconds": round(s, 6)}
                                for k, q, s in self.step_costs],
                 "candidates": [c.to_dict() for c in self.candidates],
@@ -557,26 +560,26 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
-    NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of
-    r rows costs up to r times one row, so a branch pays only if the forwards it saves outweigh the rows it adds.
-    The plan decodes the calibration `prompts` (each [1, P]; draw them apart from any evaluation set) with
-    candidate branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, queries per
-    row)`; by default `measure_step_costs` on this model, for every shape a run can take (full forwards of 1..K rows
-    at the first prompt's length, a block forward of every subset of the candidate windows, packed). The search
-    (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates` (the
-    refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes); then
-    greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
+    NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of r
+    rows costs up to r times one row, so a branch pays only if the forwards it saves outweigh the rows it adds. The
+    plan decodes the calibration `prompts` (each [1, P]; draw them apart from any evaluation set) with candidate
+    branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, queries per row)`; by
+    default `measure_step_costs` on this model, for every shape a run can take (full forwards of 1..K rows at the
+    first prompt's length, a block forward of every subset of the candidate windows, packed). The search
+    (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
+    (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
+    then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
     `min_branches` or while it saves at least `min_gain` of the seconds. The margin stands for the host bookkeeping
-    (merge, sync, one commit per step), which grows with the branches and is not priced. A set qualifies only if at least `min_agreement` of its
-    answers agree with those of the reference set (all candidate sizes: the paper's BlockBatch); when the search
-    ends on one that does not, the plan is the reference. `agree(a, b)` says whether two answers to one prompt count
-    as the same: token for token by default; where an answer may be worded freely, pass one that compares what is
-    checked. Where the calibration prompts have known answers, pass `check(i, sequence)` (is the answer to prompt i
-    right?) instead: a set then qualifies when it answers at least as many prompts right as Fast-dLLM (block
-    `baseline_block_size`, the method BlockBatch is measured against, decoded on the same prompts: the plan's
-    `baseline`); `hf-dscale bench-dllm` does, with the task's answers. A wide block commits far-ahead tokens the
-    model is confident of, and on a freely worded task those can be wrong: the check keeps such sets out. `device`
-    moves the prompts; `clock` and `repeats` time.
+    (merge, sync, one commit per step), which grows with the branches and is not priced. A set qualifies only if at
+    least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
+    BlockBatch); when the search ends on one that does not, the plan is the reference. `agree(a, b)` says whether
+    two answers to one prompt count as the same: token for token by default; where an answer may be worded freely,
+    pass one that compares what is checked. Where the calibration prompts have known answers, pass `check(i,
+    sequence)` (is the answer to prompt i right?) instead: a set then qualifies when it answers at least as many
+    prompts right as Fast-dLLM (block `baseline_block_size`, the method BlockBatch is measured against, decoded on
+    the same prompts: the plan's `baseline`); `hf-dscale bench-dllm` does, with the task's answers. A wide block
+    commits far-ahead tokens the model is confident of, and on a freely worded task those can be wrong: the check
+    keeps such sets out. `device` moves the prompts; `clock` and `repeats` time.
 
     `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
 
@@ -650,8 +653,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         def shortfall(c: CandidateCost) -> str:
             return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
     chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, qualifies, shortfall)
-    steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE {chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of "
-                 f"{_name(reference)} (NFE {reference.nfe:.2f})")
+    steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
+                 f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
+                 f"(NFE {reference.nfe:.2f})")
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
                           step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced, key=_shape_order)),
                           candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline,
