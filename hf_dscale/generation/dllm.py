@@ -32,6 +32,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -67,10 +68,9 @@ def threshold_commit(row: torch.Tensor, logits: torch.Tensor, positions: torch.T
     The mask token itself is never a candidate (its logit is dropped before the softmax): committing it would
     leave the position masked and the decoding loop would never end.
     """
-    one = torch.zeros(1, dtype=torch.long, device=row.device)
-    valid = torch.ones(1, positions.numel(), dtype=torch.bool, device=row.device)
+    w = windows_at([0], positions[None])
     conf, tokens, _ = confidences(logits[None], mask_id)
-    return int(commit_windows(row[None], one, positions[None], valid, conf, tokens, mask_id, threshold)[0])
+    return int(commit_windows(row[None], w, conf, tokens, mask_id, threshold).sum())
 
 
 def confidences(logits: torch.Tensor, mask_id: int,
@@ -79,24 +79,46 @@ def confidences(logits: torch.Tensor, mask_id: int,
     and the most likely token and its probability [...]. The threshold rule reads them in float64, BlockBatch's
     beliefs in float32 (over whole sequences at a refresh, where float64 probabilities of every position would be
     large)."""
-    drop = torch.tensor([mask_id], device=logits.device)
-    probs = torch.softmax(logits.to(dtype).index_fill(-1, drop, float("-inf")), dim=-1)
+    scores = logits.to(dtype, copy=True)
+    scores[..., mask_id] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
     conf, tokens = probs.max(-1)
     return conf, tokens, probs
 
 
-def commit_windows(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-                   conf: torch.Tensor, tokens: torch.Tensor, mask_id: int, threshold: float) -> torch.Tensor:
-    """`threshold_commit` for several rows of x [N, L] in one pass: row rows[k] commits at its positions targets[k]
-    [Q] where valid[k] (False: padding), from `confidences`' conf[k] and tokens[k] [Q] there. Returns the counts
-    committed [R] (a tensor)."""
-    masked = valid & (x[rows[:, None], targets] == mask_id)
-    conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
-    chosen = masked & (conf >= threshold)
-    best = conf.argmax(-1, keepdim=True)  # the most confident masked position of each row: committed if any
-    chosen.scatter_(-1, best, chosen.gather(-1, best) | masked.any(-1, keepdim=True))
-    x[rows[:, None].expand_as(targets)[chosen], targets[chosen]] = tokens[chosen]
-    return chosen.sum(-1)
+class Windows(NamedTuple):
+    """The windows of some rows of x: rows [R], targets [R, Q] (Q the widest; a shorter window is padded with its last
+    position), valid [R, Q] (False: padding), the real slots as indices into R * Q (`real` [T]) and as (row of x,
+    position) pairs (`at`, [T] twice)."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    valid: torch.Tensor
+    real: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor]
+
+
+def windows_at(rows: Sequence[int], targets: torch.Tensor, valid: torch.Tensor | None = None) -> Windows:
+    """`Windows` of x's `rows` at positions targets [R, Q] (valid: all, when None)."""
+    valid = torch.ones_like(targets, dtype=torch.bool) if valid is None else valid
+    live = torch.tensor(list(rows), device=targets.device)
+    real = valid.flatten().nonzero().squeeze(1)
+    return Windows(live, targets, valid, real, (live[:, None].expand_as(targets).flatten()[real],
+                                                targets.flatten()[real]))
+
+
+def commit_windows(x: torch.Tensor, w: Windows, conf: torch.Tensor, tokens: torch.Tensor, mask_id: int,
+                   threshold: float) -> torch.Tensor:
+    """`threshold_commit` for several rows of x [N, L] in one pass: each row of `w` commits in its window from
+    `confidences`' conf and tokens [R, Q] there. Returns what was committed [R, Q] (bool)."""
+    current = x[w.rows[:, None], w.targets]
+    masked = w.valid & (current == mask_id)
+    conf = conf.masked_fill(~masked, -1.0)
+    chosen = conf >= threshold
+    top = conf.argmax(-1, keepdim=True)  # the most confident masked position of each row: committed if any
+    chosen.scatter_(-1, top, masked.gather(-1, top))
+    x[w.at] = torch.where(chosen, tokens, current).flatten()[w.real]
+    return chosen
 
 
 def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> int | None:
@@ -106,15 +128,25 @@ def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | N
 
 def answer_ends(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[int | None]:
     """`answer_end` of every row of x [R, L], with one read of the result."""
+    return [end for _, end in scan(x, prompt_len, mask_id, eos_id)]
+
+
+def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple[int | None, int | None]]:
+    """(first masked offset in the generation region, the answer's end) of each row of x [R, L], each None when there
+    is none (no mask left; the stopping rule has not decided), with one read."""
     region = x[:, prompt_len:]
-    g = region.shape[1]
     masked = region == mask_id
-    first_mask = torch.where(masked.any(-1), masked.int().argmax(-1), g)  # [R]
-    end = torch.where(first_mask == g, x.shape[1], -1)  # complete without an EOS before a mask
-    if eos_id is not None:
-        eos = (region == eos_id) & (torch.arange(g, device=x.device) < first_mask[:, None])
-        end = torch.where(eos.any(-1), prompt_len + eos.int().argmax(-1) + 1, end)
-    return [None if e < 0 else e for e in end.tolist()]
+    stop = masked if eos_id is None else masked | (region == eos_id)
+    where = torch.stack((masked.int().argmax(-1), stop.int().argmax(-1)), 1)  # first mask, first mask-or-EOS
+    facts = torch.cat((where, region.gather(1, where)), 1).tolist()  # and the tokens there
+    out = []
+    for first, stop_at, at_first, at_stop in facts:
+        first = first if at_first == mask_id else None
+        if eos_id is not None and at_stop == eos_id:  # an EOS with no mask before it
+            out.append((first, prompt_len + stop_at + 1))
+        else:  # complete without an EOS: the whole region
+            out.append((first, x.shape[1] if first is None else None))
+    return out
 
 
 def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int, seq_len: int,
@@ -156,21 +188,24 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
     cache = model.new_cache()
     end = None
     for s in range(p, p + gen_length, block_size):
-        window = torch.arange(s, s + block_size, device=x.device)
+        w = windows_at([0], torch.arange(s, s + block_size, device=x.device)[None])
         logits = model.full(x, cache)
         result.nfe_full += 1
         _book(result, model, cache, "full", 1, x.shape[1])
         if commit_first:  # the most likely token at the block's first position, whatever its confidence
-            threshold_commit(x[0], logits[0, s : s + 1], window[:1], mask_id, threshold=2.0)
+            conf, tokens, _ = confidences(logits[:, s : s + 1], mask_id)
+            commit_windows(x, windows_at([0], w.targets[:, :1]), conf, tokens, mask_id, threshold=2.0)
         else:
-            threshold_commit(x[0], logits[0, s : s + block_size], window, mask_id, threshold)
-        end = answer_end(x[0], p, mask_id, eos)
-        while end is None and bool((x[0, s : s + block_size] == mask_id).any()):
-            logits = model.block(x, window[None], torch.ones_like(window[None], dtype=torch.bool), cache)
+            conf, tokens, _ = confidences(logits[:, s : s + block_size], mask_id)
+            commit_windows(x, w, conf, tokens, mask_id, threshold)
+        [(first, end)] = scan(x, p, mask_id, eos)
+        while end is None and first is not None and p + first < s + block_size:  # the block still holds a mask
+            logits = model.block(x, w.targets, w.valid, cache)
             result.nfe_block += 1
             _book(result, model, cache, "block", 1, x.shape[1], (block_size,))
-            threshold_commit(x[0], logits[0], window, mask_id, threshold)
-            end = answer_end(x[0], p, mask_id, eos)
+            conf, tokens, _ = confidences(logits, mask_id)
+            commit_windows(x, w, conf, tokens, mask_id, threshold)
+            [(first, end)] = scan(x, p, mask_id, eos)
         if end is not None:
             break
     result.nfe = result.nfe_full + result.nfe_block
@@ -184,7 +219,7 @@ class _Branches:
     The probability map keeps, per position, the most likely token and its probability (`best`, `prob`) and the
     EOS probability (`eos`), each zero at or below the floor. That decides the merge exactly for a gate of 0.5 or
     more (a token above 0.5 is the most likely one) at a vocabulary-independent size, and gives the winner's EOS
-    probability.
+    probability. Window starts, refresh counters and done flags live on the host, updated from one read per stage.
     """
 
     def __init__(self, model: DiffusionModel, x: torch.Tensor, prompt_len: int, sizes: list[int]):
@@ -193,111 +228,123 @@ class _Branches:
         self.start = [prompt_len] * n  # window start per branch
         self.since_refresh = [0] * n
         self.done = [False] * n
-        self.prob = torch.zeros(n, length, device=x.device)
+        self.beliefs = torch.zeros(2, n, length, device=x.device)  # (prob, eos): written together
+        self.prob, self.eos = self.beliefs
         self.best = torch.zeros(n, length, dtype=torch.long, device=x.device)
-        self.eos = torch.zeros(n, length, device=x.device)
         self.cache = model.new_cache()
-        self._windows = None  # (key, windows) of the last `windows` call
+        self._windows = None  # (key, Windows) of the last `windows` call
 
-    def window(self, i: int) -> torch.Tensor:
-        return torch.arange(self.start[i], self.start[i] + self.sizes[i], device=self.x.device)
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.sizes)) if not self.done[i]]
+
+    def windows(self, rows: list[int]) -> Windows:
+        """The windows of `rows`, kept until one moves."""
+        key = tuple((i, self.start[i]) for i in rows)
+        if self._windows is None or self._windows[0] != key:
+            q = max(self.sizes[i] for i in rows)
+            offsets = torch.arange(q, device=self.x.device)
+            starts, sizes = torch.tensor([[self.start[i] for i in rows], [self.sizes[i] for i in rows]],
+                                         device=self.x.device)[:, :, None]
+            self._windows = key, windows_at(rows, starts + torch.minimum(offsets, sizes - 1), offsets < sizes)
+        return self._windows[1]
+
+    def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, torch.Tensor], at=None) -> None:
+        """Store `_beliefs`' ((prob, eos), best) as those of branches `rows` [R]: [2, T] and [T] at the (row, position)
+        pairs `at` ([T] twice), or, without them, [2, R or 1, L] and [R or 1, L] for every position."""
+        both, best = beliefs
+        if at is None:
+            self.beliefs[:, rows], self.best[rows] = both, best
+        else:
+            self.beliefs[:, at[0], at[1]], self.best[at] = both, best
+
+    def progress(self, rows: list[int]) -> tuple[list[int | None], list[int]]:
+        """(first mask offset, None when none is left; tokens decoded) in the generation region of each of `rows`."""
+        return _progress(self.x[rows, self.p :], self.model.mask_token_id)
 
     def decoded(self, rows: list[int]) -> list[int]:
         """Tokens decoded (not masks) in the generation region of each of `rows`."""
-        return (self.x[rows, self.p :] != self.model.mask_token_id).sum(-1).tolist()
+        return self.progress(rows)[1]
 
-    def windows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows of `rows` as (targets [R, Q], valid [R, Q]): Q the widest, shorter ones padded with their last
-        position (valid False). Kept until a window moves."""
-        key = tuple((i, self.start[i]) for i in rows)
-        if self._windows is not None and self._windows[0] == key:
-            return self._windows[1]
-        q = max(self.sizes[i] for i in rows)
-        offsets = torch.arange(q, device=self.x.device)
-        sizes = torch.tensor([self.sizes[i] for i in rows], device=self.x.device)
-        starts = torch.tensor([self.start[i] for i in rows], device=self.x.device)
-        valid = offsets < sizes[:, None]
-        self._windows = key, (starts[:, None] + torch.minimum(offsets, sizes[:, None] - 1), valid)
-        return self._windows[1]
-
-    def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, ...], targets: torch.Tensor | None = None,
-                 valid: torch.Tensor | None = None) -> None:
-        """Store `_beliefs`' (prob, best, eos) as those of branches `rows` [R]: [R, Q] at `targets` [R, Q] where
-        `valid`, or, without targets, [R or 1, L] for every position."""
-        if targets is None:
-            for mine, theirs in zip((self.prob, self.best, self.eos), beliefs):
-                mine[rows] = theirs
-            return
-        r, t = rows[:, None].expand_as(targets)[valid], targets[valid]
-        for mine, theirs in zip((self.prob, self.best, self.eos), beliefs):
-            mine[r, t] = theirs[valid]
-
-    def snap(self, *rows: int) -> None:
-        """Window = the block of the branch's own grid holding its first mask; done if none is left."""
-        rows = list(rows)
-        masked = self.x[rows, self.p :] == self.model.mask_token_id
-        first = torch.where(masked.any(-1), masked.int().argmax(-1), -1).tolist()
+    def place(self, rows: list[int], first: list[int | None]) -> None:
+        """Window = the block of the branch's own grid holding its first mask offset `first`; done when None."""
         for i, f in zip(rows, first):
-            if f < 0:
+            if f is None:
                 self.done[i] = True
                 continue
             new = self.p + (f // self.sizes[i]) * self.sizes[i]
             self.since_refresh[i] += max(0, new - self.start[i])
             self.start[i] = new
 
-    def copy(self, dst: int, src: int) -> None:
+    def snap(self, *rows: int) -> None:
+        """`place` from the rows as they are."""
+        self.place(list(rows), self.progress(list(rows))[0])
+
+    def copy(self, dst: int, src: int, first: int | None) -> None:
+        """Branch dst takes src's row, beliefs and cache row; `first`: src's first mask offset."""
         self.x[dst] = self.x[src]
-        for t in (self.prob, self.best, self.eos):
-            t[dst] = t[src]
+        self.beliefs[:, dst], self.best[dst] = self.beliefs[:, src], self.best[src]
         if self.cache is not None:
             self.cache.copy_row(dst, src)
-        self.snap(dst)
+        self.place([dst], [first])
+
+
+def _progress(region: torch.Tensor, mask_id: int, *extra: torch.Tensor) -> tuple[list, ...]:
+    """(first mask offset or None, tokens decoded) of each row of region [R, G], then the `extra` [R] tensors, with one
+    read."""
+    masked = (region == mask_id).int()
+    first, left, *rest = torch.stack((masked.argmax(-1), masked.sum(-1), *extra)).tolist()
+    return ([f if n else None for f, n in zip(first, left)], [region.shape[1] - n for n in left], *rest)
 
 
 def merge(state: _Branches, gate: float) -> int:
     """Confidence-gated merge; returns the number of tokens adopted."""
-    mask_id, x, adopted = state.model.mask_token_id, state.x, 0
-    live = [i for i in range(len(state.sizes)) if not state.done[i]]
+    return _merge(state, gate)[0]
+
+
+def _merge(state: _Branches, gate: float) -> tuple[int, dict[int, int]]:
+    """Every live branch (dst) adopts, at each of its masked positions where its own probability for its most likely
+    token is > gate, that token if a source offers it: a branch whose window ends earlier (or as early and comes
+    later), which agrees with dst wherever both are decoded, and holds the token in its window. Every branch reads
+    the rows as they were before the merge, so all adopt in one pass. Returns (tokens adopted, decoded count per
+    live branch after the merge)."""
+    live, mask_id = state.live(), state.model.mask_token_id
     order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)
-    for rank, dst in enumerate(order):
-        sources = []
-        for src in order[rank + 1 :]:
-            both = (x[dst] != mask_id) & (x[src] != mask_id)
-            if bool((x[dst][both] == x[src][both]).all()):
-                sources.append(src)
-        if not sources:
-            continue
-        best_p = torch.zeros(x.shape[1], device=x.device)
-        best_t = torch.full_like(x[dst], mask_id)
-        for src in sources:
-            span = state.window(src)
-            cand = x[src, span]
-            ok = (x[dst, span] == mask_id) & (cand != mask_id)
-            p = torch.where(state.best[dst, span] == cand, state.prob[dst, span], 0.0)  # dst's own belief
-            better = ok & (p > best_p[span])
-            best_p[span] = torch.where(better, p, best_p[span])
-            best_t[span] = torch.where(better, cand, best_t[span])
-        take = best_p > gate
-        if bool(take.any()):
-            x[dst, take] = best_t[take]
-            adopted += int(take.sum())
-            state.snap(dst)
-    return adopted
+    if len(order) < 2:
+        return 0, dict(zip(live, state.decoded(live)))
+    device, r = state.x.device, len(order)
+    idx, lo, hi = torch.tensor([[i, state.start[i], state.start[i] + state.sizes[i]] for i in order],
+                               device=device)[:, :, None].unbind(1)  # [R, 1] each
+    x = state.x[idx[:, 0]]  # [R, L], in merge order
+    decoded = x != mask_id
+    clash = (decoded[:, None] & decoded[None] & (x[:, None] != x[None])).any(-1)  # [dst, src]
+    feeds = torch.ones(r, r, dtype=torch.bool, device=device).triu(1) & ~clash  # src after dst, compatible
+    pos = torch.arange(x.shape[1], device=device)
+    best = state.best[idx[:, 0]]
+    # a source offers dst's most likely token in its window (best is never the mask: a match is a decoded token)
+    offered = (feeds[:, :, None] & ((pos >= lo) & (pos < hi))[None] & (x[None] == best[:, None])).any(1)  # [dst, L]
+    take = offered & ~decoded & (state.prob[idx[:, 0]] > gate)
+    merged = torch.where(take, best, x)
+    state.x[idx[:, 0]] = merged
+    first, counts, adopted = _progress(merged[:, state.p :], mask_id, take.sum(-1))
+    state.place(order, first)
+    return sum(adopted), dict(zip(order, counts))
 
 
-def sync(state: _Branches, threshold: int) -> int:
-    """Branches more than `threshold` tokens behind the leader copy it; returns how many did."""
-    live = [i for i in range(len(state.sizes)) if not state.done[i]]
+def sync(state: _Branches, threshold: int, counts: dict[int, int] | None = None) -> int:
+    """Branches more than `threshold` tokens behind the leader copy it; returns how many did. `counts`: the live
+    branches' decoded tokens when the caller has them (`_merge`'s)."""
+    live = state.live()
     if not live:
         return 0
-    counts = dict(zip(live, state.decoded(live)))
+    if counts is None:
+        counts = dict(zip(live, state.decoded(live)))
     leader = max(live, key=lambda i: (counts[i], -i))
-    synced = 0
-    for i in live:
-        if i != leader and counts[leader] - counts[i] > threshold:
-            state.copy(i, leader)
-            synced += 1
-    return synced
+    behind = [i for i in live if i != leader and counts[leader] - counts[i] > threshold]
+    if behind:
+        first = state.progress([leader])[0][0]
+        for i in behind:
+            state.copy(i, leader, first)
+    return len(behind)
 
 
 @torch.no_grad()
@@ -338,62 +385,60 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     _book(result, model, state.cache, "full", 1, length)
     if state.cache is not None:
         state.cache.expand(n)
-    rows = torch.arange(n, device=x1.device)
-    state.remember(rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos))  # [1, L] each
-    targets, valid = state.windows(list(range(n)))
-    conf, tokens, _ = confidences(logits[0, targets], mask_id)  # [n, Q] twice
-    commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
+    every = state.windows(list(range(n)))
+    state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos))  # 1 row
+    conf, tokens, _ = confidences(logits[0, every.targets], mask_id)  # [n, Q] twice
+    commit_windows(state.x, every, conf, tokens, mask_id, threshold)
     state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
     winner = None
     force_block = False
     while winner is None and not all(state.done):
-        live = [i for i in range(n) if not state.done[i]]
+        live = state.live()
         flagged = refresh_tokens is not None and any(state.since_refresh[i] >= refresh_tokens for i in live)
-        rows = torch.tensor(live, device=x1.device)
-        targets, valid = state.windows(live)  # [R, Q] twice
+        w = state.windows(live)
         if flagged and not force_block:
             # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
-            distinct, of_row = torch.unique(state.x[rows], dim=0, return_inverse=True)  # [U, L], [R]
+            distinct, of_row = torch.unique(state.x[w.rows], dim=0, return_inverse=True)  # [U, L], [R]
             fresh = model.new_cache()
             logits = model.full(distinct, fresh)  # [U, L, V]
             if state.cache is not None:
-                _write_distinct(state.cache, rows, fresh, of_row)
+                _write_distinct(state.cache, w.rows, fresh, of_row)
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
             beliefs = _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos)  # [U, L] each
-            state.remember(rows, tuple(b[of_row] for b in beliefs))
+            state.remember(w.rows, (beliefs[0][:, of_row], beliefs[1][of_row]))
             for i in live:
                 state.since_refresh[i] = 0
-            conf, tokens, _ = confidences(logits[of_row[:, None], targets], mask_id)  # [R, Q]: the windows
+            conf, tokens, _ = confidences(logits[of_row[:, None], w.targets], mask_id)  # [R, Q]: the windows
         else:
             if len(live) == n:
-                logits = model.block(state.x, targets, valid, state.cache)  # [n, Q, V]; padding is not run
+                logits = model.block(state.x, w.targets, w.valid, state.cache)  # [n, Q, V]; padding is not run
             else:  # done branches' rows run nothing
-                write = torch.zeros(n, targets.shape[1], dtype=torch.bool, device=x1.device)
-                write[rows] = valid
-                every_row = torch.full((n, targets.shape[1]), p, dtype=torch.long, device=x1.device)
-                every_row[rows] = targets
-                logits = model.block(state.x, every_row, write, state.cache)[rows]  # [R, Q, V]
+                write = torch.zeros(n, w.targets.shape[1], dtype=torch.bool, device=x1.device)
+                write[w.rows] = w.valid
+                every_row = torch.full((n, w.targets.shape[1]), p, dtype=torch.long, device=x1.device)
+                every_row[w.rows] = w.targets
+                logits = model.block(state.x, every_row, write, state.cache)[w.rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            state.remember(rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos), targets,
-                           valid)
-            conf, tokens, _ = confidences(logits, mask_id)
-        commit_windows(state.x, rows, targets, valid, conf, tokens, mask_id, threshold)
+            conf, tokens, probs = confidences(logits, mask_id)  # [R, Q]: the commit's and the beliefs'
+            state.remember(w.rows, _beliefs(conf, tokens, probs, prob_floor, eos, w.real), w.at)
+        commit_windows(state.x, w, conf, tokens, mask_id, threshold)
         force_block = False
-        if stop_early:
-            ends = dict(zip(live, answer_ends(state.x[rows], p, mask_id, eos)))
-            ready = [i for i in live if ends[i] is not None]
-            if ready:
-                winner = max(ready, key=lambda i: float(state.eos[i, ends[i] - 1]))
-                break
-        state.snap(*live)
+        first, ends = zip(*scan(state.x[w.rows], p, mask_id, eos))
+        if stop_early and any(e is not None for e in ends):
+            ready = [(i, e) for i, e in zip(live, ends) if e is not None]
+            eos_p = state.eos[[i for i, _ in ready], [e - 1 for _, e in ready]].tolist()
+            winner = ready[max(range(len(ready)), key=lambda k: eos_p[k])][0]
+            break
+        state.place(live, first)
         if exchange:
-            result.events["merged"] += merge(state, merge_gate)
-            synced = sync(state, sync_threshold)
+            adopted, counts = _merge(state, merge_gate)
+            result.events["merged"] += adopted
+            synced = sync(state, sync_threshold, counts)
             result.events["synced"] += synced
             force_block = synced > 0
     if winner is None:
@@ -406,12 +451,15 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float,
-             eos: int | None) -> tuple[torch.Tensor, ...]:
-    """(prob, best, eos) [...] from `confidences(..., torch.float32)`: the most likely token's probability and id,
-    and the EOS probability; probabilities at or below `floor` are zeroed."""
-    eos_p = probs[..., eos] if eos is not None else torch.zeros_like(conf)
-    return torch.where(conf > floor, conf, 0.0), tokens, torch.where(eos_p > floor, eos_p, 0.0)
+def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float, eos: int | None,
+             real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((prob, eos) [2, ...] float32, best [...]) from `confidences`: the most likely token's probability and the
+    EOS probability, zeroed at or below `floor`, and the token's id; `real`: keep only these slots of the flattened
+    [...] (then [2, T] and [T])."""
+    both = torch.stack((conf, probs[..., eos] if eos is not None else torch.zeros_like(conf))).float()
+    if real is not None:
+        both, tokens = both.flatten(1)[:, real], tokens.flatten()[real]
+    return both.masked_fill(both <= floor, 0.0), tokens
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:

@@ -251,6 +251,49 @@ def test_merge_adopts_only_confident_compatible_tokens():
     assert merge(state, gate=0.5) == 0
 
 
+def _merge_by_the_rule(x, starts, sizes, best, prob, gate):
+    """The merge as the paper states it, one destination and one source at a time (a reference for `merge`)."""
+    x = x.clone()
+    order = sorted(range(len(sizes)), key=lambda i: starts[i] + sizes[i], reverse=True)
+    before = x.clone()
+    for rank, dst in enumerate(order):
+        for pos in range(x.shape[1]):
+            if before[dst, pos] != MASK or prob[dst, pos] <= gate:
+                continue
+            for src in order[rank + 1 :]:
+                both = (before[dst] != MASK) & (before[src] != MASK)
+                compatible = bool((before[dst][both] == before[src][both]).all())
+                inside = starts[src] <= pos < starts[src] + sizes[src]
+                if compatible and inside and before[src, pos] == best[dst, pos]:
+                    x[dst, pos] = best[dst, pos]
+    return x
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_merge_equals_the_rule_one_pair_at_a_time(seed):
+    """The one-pass merge equals the rule applied destination by destination on random branch states (3-4 branches,
+    overlapping windows, compatible and clashing rows)."""
+    g = torch.Generator().manual_seed(seed)
+    n, length, p = int(torch.randint(3, 5, (1,), generator=g)), 18, 2
+    truth = torch.randint(3, 8, (length,), generator=g)
+    rows = truth.repeat(n, 1)
+    rows[torch.rand(n, length, generator=g) < 0.5] = MASK
+    clash = torch.rand(n, length, generator=g) < 0.08
+    rows[clash] = 9  # a token another branch may disagree with
+    sizes = [2, 4, 8, 16][:n]
+    state = _state(rows.tolist(), sizes=sizes, prompt_len=p)
+    state.x[:, :p] = truth[:p]
+    state.done = [False] * n
+    state.start = [p + int(torch.randint(0, length - p - s + 1, (1,), generator=g)) for s in sizes]
+    state.best[:] = torch.where(torch.rand(n, length, generator=g) < 0.8, truth, truth + 1)
+    state.prob[:] = torch.rand(n, length, generator=g)
+    before = state.x.clone()
+    want = _merge_by_the_rule(before, state.start, sizes, state.best, state.prob, 0.5)
+    adopted = merge(state, gate=0.5)
+    assert torch.equal(state.x, want)
+    assert adopted == int((want != before).sum())
+
+
 def test_sync_copies_the_leader_row_and_cache_and_keeps_its_grid():
     m = MASK
     state = _state([[3, 4] + [5] * 12 + [m] * 2,

@@ -17,6 +17,7 @@ at p - 1 predicts token p); decoders go through `DiffusionModel`, which aligns b
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +109,16 @@ def rotate(x, rot):
 class BlockQueries:
     """The queries of a block call that run: those where `write` [B, Q] is True (False marks padding, e.g. a short
     window in a batch of wider ones). Position-wise work (norms, projections, MLP, LM head) takes the T real queries
-    packed into one row [1, T]; attention unpacks them to their rows, each attending to its own cache row. A batch of
-    windows of 16 and 32 positions costs 48 queries, not 2 x 32."""
+    packed into one row [1, T]; attention takes each row's queries (a contiguous span of the packed row) against its
+    own cache row. A batch of windows of 16 and 32 positions costs 48 queries, not 2 x 32."""
 
     def __init__(self, write: torch.Tensor, positions: torch.Tensor):
         self.shape = write.shape
-        self.dense = bool(write.all())
-        flat = write.flatten()
-        self.index = None if self.dense else flat.nonzero().squeeze(1)  # [T] into B * Q
-        # each of the B * Q slots -> a packed query: its own, or (padding) the last real one before it
-        self.slots = None if self.dense else (flat.cumsum(0) - 1).clamp_min(0)
+        counts = write.sum(-1).tolist()  # real queries per row
+        self.dense = min(counts) == write.shape[1]
+        self.index = None if self.dense else write.flatten().nonzero().squeeze(1)  # [T] into B * Q
+        ends = list(itertools.accumulate(counts))
+        self.spans = [(row, end - c, end) for row, (c, end) in enumerate(zip(counts, ends)) if c]  # (row, from, to)
         rows = torch.arange(write.shape[0], device=write.device)[:, None].expand(write.shape)
         self.rows = self.pack(rows)[0]  # [T]: the cache row of each query
         self.positions = self.pack(positions)  # [1, T]
@@ -135,35 +136,32 @@ class BlockQueries:
         out[self.index] = t[0]
         return out.view(*self.shape, *t.shape[2:])
 
-    def spread(self, t: torch.Tensor) -> torch.Tensor:
-        """[1, T, ...] -> [B, Q, ...] with a copy of a real query at each padding slot (one gather: for attention,
-        whose padding outputs `pack` drops)."""
-        flat = t[0] if self.dense else t[0][self.slots]
-        return flat.reshape(*self.shape, *t.shape[2:])
-
 
 def attend(q, k, v, cache: DualCache | None, layer: int, block: BlockQueries | None, bias=None):
     """Bidirectional attention; q [b, Hq, T, d], k and v [b, Hkv, T, d] (rotated). Returns [b, T, Hq * d].
 
     Without `block`, the T positions attend to each other (a full forward, whose K/V fill `cache` when given). With
     `block` (b = 1, T packed queries), their K/V replace the cached ones of their rows at their positions, and each
-    query attends to all L cached keys of its row: the prefix, the fresh block and a possibly stale suffix (the dual
-    cache). `bias`: an additive attention mask [B, 1, 1, L] (key padding) or None.
+    row's queries attend to all L cached keys of that row: the prefix, the fresh block and a possibly stale suffix
+    (the dual cache). `bias`: an additive attention mask [B, 1, 1, L] (key padding) or None.
     """
     if block is None:
         if cache is not None:
             cache.keys[layer], cache.values[layer] = k, v
-    else:
-        keys, values = cache.keys[layer], cache.values[layer]
-        keys[block.rows, :, block.positions[0]] = k[0].transpose(0, 1)
-        values[block.rows, :, block.positions[0]] = v[0].transpose(0, 1)
-        k, v = keys, values
-        q = block.spread(q.transpose(1, 2)).transpose(1, 2)  # [B, Hq, Q, d]
+        return _sdpa(q, k, v, bias).transpose(1, 2).flatten(2)
+    keys, values = cache.keys[layer], cache.values[layer]
+    keys[block.rows, :, block.positions[0]] = k[0].transpose(0, 1)
+    values[block.rows, :, block.positions[0]] = v[0].transpose(0, 1)
+    outs = [_sdpa(q[:, :, i:j], keys[r : r + 1], values[r : r + 1], None if bias is None else bias[r : r + 1])
+            for r, i, j in block.spans]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).transpose(1, 2).flatten(2)
+
+
+def _sdpa(q, k, v, bias):
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)  # [B, Q, Hq * d]
-    return out if block is None else block.pack(out)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 def block_queries(input_ids, position_ids, cache: DualCache | None, write) -> tuple:
