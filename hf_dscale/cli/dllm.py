@@ -185,7 +185,12 @@ def _describe_plan(plan, seconds: float) -> str:
     costs = ", ".join(f"{r} rows {1e3 * s:.1f} ms ({s / full[1]:.2f}x)" for r, s in sorted(full.items()))
     single = ", ".join(f"{q}: {1e3 * plan.seconds('block', (q,)):.1f} ms" for q in plan.candidates[0].block_sizes)
     chosen = "+".join(map(str, sorted(plan.block_sizes, reverse=True)))
+    mine = next(c for c in plan.candidates
+                if c.block_sizes == plan.block_sizes and c.refresh_tokens == plan.refresh_tokens)
+    host = f"  host time between model calls: {1e3 * mine.host_seconds:.1f} ms per answer"
+    if plan.baseline is not None:
+        host += f" (Fast-dLLM {1e3 * plan.baseline.host_seconds:.1f} ms)"
     return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}\n"
             f"  full forward of length {plan.seq_len}: {costs}\n"
             f"  block forward of one window: {single}; of the branches' windows together ({chosen}, packed): "
-            f"{1e3 * plan.seconds('block', plan.block_sizes):.1f} ms\n  {plan.reason}")
+            f"{1e3 * plan.seconds('block', plan.block_sizes):.1f} ms\n{host}\n  {plan.reason}")

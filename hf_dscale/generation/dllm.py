@@ -239,13 +239,22 @@ class _Branches:
 
     def windows(self, rows: list[int]) -> Windows:
         """The windows of `rows`, kept until one moves."""
+        return self._windows_of(rows)[0]
+
+    def cover(self, rows: list[int]) -> torch.Tensor:
+        """The windows of `rows` as a mask over the row [R, L]."""
+        return self._windows_of(rows)[1]
+
+    def _windows_of(self, rows: list[int]) -> tuple[Windows, torch.Tensor]:
         key = tuple((i, self.start[i]) for i in rows)
         if self._windows is None or self._windows[0] != key:
+            device = self.x.device
             q = max(self.sizes[i] for i in rows)
-            offsets = torch.arange(q, device=self.x.device)
+            offsets, positions = torch.arange(q, device=device), torch.arange(self.x.shape[1], device=device)
             starts, sizes = torch.tensor([[self.start[i] for i in rows], [self.sizes[i] for i in rows]],
-                                         device=self.x.device)[:, :, None]
-            self._windows = key, windows_at(rows, starts + torch.minimum(offsets, sizes - 1), offsets < sizes)
+                                         device=device)[:, :, None]
+            windows = windows_at(rows, starts + torch.minimum(offsets, sizes - 1), offsets < sizes)
+            self._windows = key, (windows, (positions >= starts) & (positions < starts + sizes))
         return self._windows[1]
 
     def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, torch.Tensor], at=None) -> None:
@@ -308,26 +317,23 @@ def _merge(state: _Branches, gate: float) -> tuple[int, dict[int, int]]:
     the rows as they were before the merge, so all adopt in one pass. Returns (tokens adopted, decoded count per
     live branch after the merge)."""
     live, mask_id = state.live(), state.model.mask_token_id
-    order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)
-    if len(order) < 2:
+    if len(live) < 2:
         return 0, dict(zip(live, state.decoded(live)))
-    device, r = state.x.device, len(order)
-    idx, lo, hi = torch.tensor([[i, state.start[i], state.start[i] + state.sizes[i]] for i in order],
-                               device=device)[:, :, None].unbind(1)  # [R, 1] each
-    x = state.x[idx[:, 0]]  # [R, L], in merge order
+    order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
+    rank = {i: k for k, i in enumerate(order)}
+    after = torch.tensor([[rank[s] > rank[d] for s in live] for d in live], device=state.x.device)  # [dst, src]
+    rows, cover = state.windows(live).rows, state.cover(live)
+    x, best = state.x[rows], state.best[rows]  # [R, L]
     decoded = x != mask_id
-    clash = (decoded[:, None] & decoded[None] & (x[:, None] != x[None])).any(-1)  # [dst, src]
-    feeds = torch.ones(r, r, dtype=torch.bool, device=device).triu(1) & ~clash  # src after dst, compatible
-    pos = torch.arange(x.shape[1], device=device)
-    best = state.best[idx[:, 0]]
+    clash = ((x[:, None] != x[None]) & decoded[:, None] & decoded[None]).any(-1)  # [dst, src]
     # a source offers dst's most likely token in its window (best is never the mask: a match is a decoded token)
-    offered = (feeds[:, :, None] & ((pos >= lo) & (pos < hi))[None] & (x[None] == best[:, None])).any(1)  # [dst, L]
-    take = offered & ~decoded & (state.prob[idx[:, 0]] > gate)
+    offered = ((after & ~clash)[:, :, None] & cover[None] & (x[None] == best[:, None])).any(1)  # [dst, L]
+    take = offered & ~decoded & (state.prob[rows] > gate)
     merged = torch.where(take, best, x)
-    state.x[idx[:, 0]] = merged
+    state.x[rows] = merged
     first, counts, adopted = _progress(merged[:, state.p :], mask_id, take.sum(-1))
-    state.place(order, first)
-    return sum(adopted), dict(zip(order, counts))
+    state.place(live, first)
+    return sum(adopted), dict(zip(live, counts))
 
 
 def sync(state: _Branches, threshold: int, counts: dict[int, int] | None = None) -> int:
@@ -478,15 +484,16 @@ class CandidateCost:
 
     block_sizes: tuple[int, ...]
     nfe: float
-    expected_seconds: float  # its forwards priced by the step costs: what the plan compares
-    measured_seconds: float  # wall-clock of the calibration runs, host bookkeeping included (noisy; for reading)
+    expected_seconds: float  # its forwards priced by the step costs, plus its host time: what the plan compares
+    measured_seconds: float  # wall-clock of the calibration runs (noisy: each forward timed once; for reading)
     agreement: float  # fraction of prompts whose answer agrees with the reference set's
     correct: float | None = None  # fraction answered right, where the plan was given a `check`
     refresh_tokens: int | None = REFRESH_TOKENS  # the refresh interval it ran with
+    host_seconds: float = 0.0  # the time between its model calls (commits, merge, sync), measured in its runs
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens, "nfe": round(self.nfe, 3),
-                "expected_seconds": round(self.expected_seconds, 6),
+                "expected_seconds": round(self.expected_seconds, 6), "host_seconds": round(self.host_seconds, 6),
                 "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
                 "correct": None if self.correct is None else round(self.correct, 4)}
 
@@ -546,7 +553,8 @@ class BlockBatchPlan:
         """The inverse of `to_dict` (costs rounded to the microsecond), e.g. to reuse a plan from a bench report."""
         def cost(c: dict) -> CandidateCost:
             return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
-                                 c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS))
+                                 c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS),
+                                 c.get("host_seconds", 0.0))
 
         return cls(block_sizes=tuple(d["block_sizes"]), refresh_tokens=d.get("refresh_tokens", REFRESH_TOKENS),
                    gen_length=d["gen_length"], seq_len=d["seq_len"],
@@ -558,6 +566,31 @@ class BlockBatchPlan:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _Timed:
+    """A DiffusionModel whose calls' time on `clock` adds up in `seconds`: what a decode spends outside them is its
+    host time (commits, stopping checks, BlockBatch's merge and sync)."""
+
+    def __init__(self, model: DiffusionModel, clock: Callable[[], float], device: torch.device):
+        self.model, self.clock, self.device, self.seconds = model, clock, device, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def full(self, *args, **kwargs):
+        return self._timed(self.model.full, args, kwargs)
+
+    def block(self, *args, **kwargs):
+        return self._timed(self.model.block, args, kwargs)
+
+    def _timed(self, call, args, kwargs):
+        _sync(self.device)
+        start = self.clock()
+        out = call(*args, **kwargs)
+        _sync(self.device)
+        self.seconds += self.clock() - start
+        return out
 
 
 @torch.no_grad()
@@ -605,7 +638,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal,
                     check: Callable[[int, torch.Tensor], bool] | None = None,
                     baseline_block_size: int = 32,
-                    refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES) -> BlockBatchPlan:
+                    refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES,
+                    price_host: bool | None = None) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of r
@@ -613,12 +647,15 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     plan decodes the calibration `prompts` (each [1, P]; draw them apart from any evaluation set) with candidate
     branch sets and prices each run's forwards (`DLLMResult.forwards`) by `step_seconds(kind, queries per row)`; by
     default `measure_step_costs` on this model, for every shape a run can take (full forwards of 1..K rows at the
-    first prompt's length, a block forward of every subset of the candidate windows, packed). The search
+    first prompt's length, a block forward of every subset of the candidate windows, packed). `price_host` adds each
+    run's host time (what it spends between model calls: commits, the merge, the sync), measured in the run itself;
+    on a CPU a step's bookkeeping is a fair part of its cost and grows with the branches. None: priced when the step
+    costs are measured (both then are seconds of `clock`), not with a `step_seconds` table. The search
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
     (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
     then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
-    `min_branches` or while it saves at least `min_gain` of the seconds. The margin stands for the host bookkeeping
-    (merge, sync, one commit per step), which grows with the branches and is not priced. A set qualifies only if at
+    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. A set
+    qualifies only if at
     least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
     BlockBatch); when the search ends on one that does not, the plan is the reference. `agree(a, b)` says whether
     two answers to one prompt count as the same: token for token by default; where an answer may be worded freely,
@@ -641,8 +678,11 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         raise ValueError("plan_blockbatch needs calibration prompts (a few, drawn apart from the evaluation set).")
     if not 1 <= min_branches <= len(sizes):
         raise ValueError(f"min_branches must be between 1 and the {len(sizes)} candidate sizes, got {min_branches}.")
+    if check is not None and gen_length % baseline_block_size:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of baseline_block_size {baseline_block_size}.")
     prompts = [q.to(device) if device is not None else q for q in prompts]
     seq_len = prompts[0].shape[1] + gen_length
+    price_host = step_seconds is None if price_host is None else price_host
     # every shape a run of these sizes can take, priced in one interleaved batch so that all compare alike: a full
     # forward of 1..K rows, a block forward of the live branches' windows (any subset of the sizes; packed)
     grid: list[Shape] = [("full", (seq_len,) * r) for r in range(1, len(sizes) + 1)]
@@ -654,17 +694,15 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         priced = measure_step_costs(model, prompts[0], gen_length, grid, repeats, clock)
     else:
         priced = {shape: float(step_seconds(*shape)) for shape in grid}
-    if check is not None and gen_length % baseline_block_size:
-        raise ValueError(f"gen_length {gen_length} must be a multiple of baseline_block_size {baseline_block_size}.")
     answers: dict = {}  # block sizes -> the answers [P + n] per prompt
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
 
-    def measure(combo: tuple, refresh, decode: Callable[[torch.Tensor], DLLMResult]) -> CandidateCost:
-        results, wall = [], 0.0
+    def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult]) -> CandidateCost:
+        results, wall, timed = [], 0.0, _Timed(model, clock, prompts[0].device)
         for q in prompts:
             _sync(q.device)
             start = clock()
-            results.append(decode(q))
+            results.append(decode(timed, q))
             _sync(q.device)
             wall += clock() - start
         answers[combo, refresh] = mine = [r.sequence for r in results]
@@ -674,13 +712,15 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         seconds = sum(priced[(kind, (seq_len,) * len(queries) if kind == "full" else queries)]  # full: at seq_len
                       for r in results for kind, queries in r.forwards)
         n = len(prompts)
-        return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n, wall / n, same / n, right, refresh)
+        host = (wall - timed.seconds) / n if price_host else 0.0
+        return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n + host, wall / n, same / n, right,
+                             refresh, host)
 
     def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0]) -> CandidateCost:
         """Decode the calibration prompts with these branches; price the forwards each run made."""
         if (combo, refresh) not in tried:
-            tried[combo, refresh] = measure(combo, refresh, lambda q: blockbatch_generate(
-                model, q, gen_length, combo, threshold, refresh_tokens=refresh))
+            tried[combo, refresh] = measure(combo, refresh, lambda m, q: blockbatch_generate(
+                m, q, gen_length, combo, threshold, refresh_tokens=refresh))
         return tried[combo, refresh]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
@@ -692,8 +732,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         def shortfall(c: CandidateCost) -> str:
             return f"agrees with the reference on {100 * c.agreement:.0f}% of the prompts (< {100 * min_agreement:.0f}%)"
     else:
-        baseline = measure(("fast-dllm",), None, lambda q: fast_dllm_generate(model, q, gen_length,
-                                                                             baseline_block_size, threshold))
+        baseline = measure(("fast-dllm",), None, lambda m, q: fast_dllm_generate(m, q, gen_length,
+                                                                                baseline_block_size, threshold))
 
         def qualifies(c: CandidateCost) -> bool:
             return c.correct >= baseline.correct

@@ -168,6 +168,33 @@ def test_plan_prices_the_forwards_each_run_made():
     assert plan.seconds("block", (8, 16)) == plan.seconds("block", (16, 8))
 
 
+def test_plan_prices_the_host_time_between_model_calls(monkeypatch):
+    """With measured step costs the plan adds each run's host time, measured in the run: here every commit (one per
+    forward) advances the fake clock by 50 ms, so a set's host time is 50 ms per forward and its expected seconds
+    are its wall-clock; with a cost table, or price_host=False, nothing is added."""
+    from hf_dscale.generation import dllm
+
+    model = _Clocked(DiffusionModel(tiny_dlm(seed=2)))
+    model._tick = lambda tokens: setattr(model, "now", model.now + 1e-3 * tokens)
+    commit = dllm.commit_windows
+
+    def slow_commit(*args, **kwargs):
+        model.now += 0.05
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(dllm, "commit_windows", slow_commit)
+    prompts = [torch.randint(3, VOCAB, (1, 4)) for _ in range(2)]
+    right = lambda i, seq: True  # noqa: E731
+    plan = plan_blockbatch(model, prompts, G, (4, 8, 16), min_branches=2, clock=lambda: model.now, repeats=3,
+                           check=right, baseline_block_size=8)
+    for c in (*plan.candidates, plan.baseline):
+        assert c.host_seconds == pytest.approx(0.05 * c.nfe)
+        assert c.expected_seconds == pytest.approx(c.measured_seconds)
+    unpriced = plan_blockbatch(model, prompts, G, (4, 8, 16), min_branches=2, clock=lambda: model.now, repeats=3,
+                               price_host=False)
+    assert all(c.host_seconds == 0.0 and c.expected_seconds < c.measured_seconds for c in unpriced.candidates)
+
+
 def test_plan_round_trips_through_json():
     plan = _plan(lambda kind, queries: 0.5 * len(queries))
     d = json.loads(json.dumps(plan.to_dict()))
@@ -246,8 +273,8 @@ def test_bench_both_reports_the_two_methods_side_by_side():
 
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
-    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "nfe": 2.5, "expected_seconds": 0.01, "measured_seconds": 0.012,
-                           "agreement": 1.0, "correct": None}
+    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "nfe": 2.5, "expected_seconds": 0.01,
+                           "host_seconds": 0.0, "measured_seconds": 0.012, "agreement": 1.0, "correct": None}
 
 
 def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
