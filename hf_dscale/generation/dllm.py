@@ -21,9 +21,10 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
 A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
 which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
 runs (`measure_step_costs`, or a table the caller passes), decodes a few calibration prompts with candidate branch
-sets and refresh intervals and returns a `BlockBatchPlan` naming the one with the lowest expected seconds;
-`blockbatch_generate(..., plan=...)` decodes with it. A full refresh runs each distinct row once: rows a sync made identical give identical
-logits and cache rows, so one forward of the distinct rows is the same step at a fraction of its cost.
+sets and refresh intervals (each run's forwards priced, plus the host time it spent between them) and returns a
+`BlockBatchPlan` naming the one with the lowest expected seconds; `blockbatch_generate(..., plan=...)` decodes with
+it. A full refresh runs each distinct row once: rows a sync made identical give identical logits and cache rows, so
+one forward of the distinct rows is the same step at a fraction of its cost.
 """
 
 from __future__ import annotations
