@@ -633,7 +633,7 @@ def measure_step_costs(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
 
 def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_length: int,
                     candidate_block_sizes: Sequence[int] = BLOCK_SIZES, device=None, *, threshold: float = 0.9,
-                    min_branches: int = 2, min_gain: float = 0.05, min_agreement: float = 0.9,
+                    min_branches: int = 2, min_gain: float = 0.05, tie: float = 0.02, min_agreement: float = 0.9,
                     step_seconds: Callable[[str, tuple[int, ...]], float] | None = None, repeats: int = 5,
                     clock: Callable[[], float] = time.perf_counter,
                     agree: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal,
@@ -655,8 +655,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
     (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
     then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
-    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. A set
-    qualifies only if at
+    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Within a
+    step, sets priced within `tie` of the cheapest are a tie, which the fewer forwards decide (NFE on the calibration
+    prompts is exact; a difference of a percent or two in seconds is not). A set qualifies only if at
     least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
     BlockBatch); when the search ends on one that does not, the plan is the reference. `agree(a, b)` says whether
     two answers to one prompt count as the same: token for token by default; where an answer may be worded freely,
@@ -741,7 +742,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
 
         def shortfall(c: CandidateCost) -> str:
             return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
-    chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, qualifies, shortfall)
+    chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, tie, qualifies, shortfall)
     steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
                  f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
                  f"(NFE {reference.nfe:.2f})")
@@ -752,18 +753,21 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
 
 
 def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refreshes: Sequence[int | None],
-            min_branches: int, min_gain: float, qualifies: Callable[[CandidateCost], bool],
+            min_branches: int, min_gain: float, tie: float, qualifies: Callable[[CandidateCost], bool],
             shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
     """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
-    refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds, among
-    the sets that `qualifies` (`shortfall` says why one does not). `evaluate(block_sizes, refresh)`. Returns the
-    chosen set and the steps that led to it, in words."""
+    refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds (within
+    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not).
+    `evaluate(block_sizes, refresh)`. Returns the chosen set and the steps that led to it, in words."""
 
     seen: list[CandidateCost] = []
 
-    def best(costs: list[CandidateCost]) -> CandidateCost:  # qualifying first, then cheapest, then fewer branches
+    def best(costs: list[CandidateCost]) -> CandidateCost:  # qualifying first; the cheapest, ties to fewer forwards
         seen.extend(costs)
-        return min(costs, key=lambda c: (not qualifies(c), c.expected_seconds, len(c.block_sizes)))
+        pool = [c for c in costs if qualifies(c)] or costs
+        cheapest = min(c.expected_seconds for c in pool)
+        close = [c for c in pool if c.expected_seconds <= cheapest * (1 + tie)]
+        return min(close, key=lambda c: (c.nfe, c.expected_seconds, len(c.block_sizes)))
 
     current = best([evaluate((b,)) for b in sizes])
     steps = [f"{_name(current)} {current.expected_seconds * 1e3:.2f} ms: the cheapest single branch"]

@@ -12,6 +12,7 @@ from hf_dscale.generation import dllm_generate
 from hf_dscale.generation.dllm import (
     BlockBatchPlan,
     CandidateCost,
+    _choose,
     _write_distinct,
     blockbatch_generate,
     measure_step_costs,
@@ -296,3 +297,18 @@ def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
                            dllm_method="blockbatch", dllm_stats=stats, **options)
         assert stats[0].forwards == planned.forwards
     assert BlockBatchPlan.from_dict(json.loads(json.dumps(dear_full.to_dict()))).refresh_tokens == 8
+
+
+def test_a_tie_in_seconds_goes_to_the_fewer_forwards():
+    """Pairs priced within `tie` of the cheapest are a tie, decided by NFE; with tie=0 the cheapest wins."""
+    priced = {(2, 4): (1.00, 10.0), (2, 8): (1.01, 6.0), (4, 8): (1.30, 6.0)}
+
+    def evaluate(combo, refresh=32):
+        seconds, nfe = priced.get(combo, (2.0, 12.0) if len(combo) > 1 else (1.5, 16.0))
+        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh)
+
+    def choose(tie):
+        return _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, tie, lambda c: True, lambda c: "")[0].block_sizes
+
+    assert choose(0.02) == (2, 8)
+    assert choose(0.0) == (2, 4)
