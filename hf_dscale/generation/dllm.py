@@ -124,12 +124,7 @@ def commit_windows(x: torch.Tensor, w: Windows, conf: torch.Tensor, tokens: torc
 
 def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> int | None:
     """The shared stopping rule: the end (exclusive) of the answer if it is decided, else None."""
-    return answer_ends(row[None], prompt_len, mask_id, eos_id)[0]
-
-
-def answer_ends(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[int | None]:
-    """`answer_end` of every row of x [R, L], with one read of the result."""
-    return [end for _, end in scan(x, prompt_len, mask_id, eos_id)]
+    return scan(row[None], prompt_len, mask_id, eos_id)[0][1]
 
 
 def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple[int | None, int | None]]:
@@ -700,11 +695,12 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
 
     def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult]) -> CandidateCost:
-        results, wall, timed = [], 0.0, _Timed(model, clock, prompts[0].device)
+        results, wall = [], 0.0
+        timed = _Timed(model, clock, prompts[0].device) if price_host else None  # only where host time is priced
         for q in prompts:
             _sync(q.device)
             start = clock()
-            results.append(decode(timed, q))
+            results.append(decode(model if timed is None else timed, q))
             _sync(q.device)
             wall += clock() - start
         answers[combo, refresh] = mine = [r.sequence for r in results]
