@@ -48,6 +48,7 @@ class BenchResult:
                 "verify": round(1000 * self.stats.verify_s / cycles, 3),
                 "other": round(1000 * self.stats.other_s / cycles, 3),
             },
+            "compile_s": round(self.stats.compile_s + getattr(self.stats.plan, "compile_s", 0.0), 3),
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "per_prompt": self.per_prompt,
             **({"verify_tokens": verify_tokens} if verify_tokens else {}),
@@ -140,7 +141,7 @@ class Peer:
 
 
 def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_confidence=None,
-              prompt_lookup_num_tokens: int = 10) -> list[Peer]:
+              prompt_lookup_num_tokens: int = 10, compile: bool = False) -> list[Peer]:
     """Every way to decode with `target` that `hf-dscale bench --peers` compares, plain `generate()` first:
 
     * `generate`: plain eager decoding with a `DynamicCache`;
@@ -153,9 +154,12 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
       the installed transformers refuses it);
     * `assistant_model`: transformers' assisted decoding with the drafter;
     * `dscale-auto` (what `custom_generate` does with no method options: the engine's plan chooses), `dscale` (the
-      chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`.
+      chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`;
+    * with `compile`: `generate-compiled`, plain decoding with a static cache compiled by transformers on any device
+      (`compat.compile_everywhere`), and `dscale-auto-compiled`, the plan's method with its verify compiled
+      (`custom_generate(compile=True)`).
     """
-    from .models.dscale.compat import native_dflash_reads_layer_outputs
+    from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 
     ours = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=draft_confidence)
     peers = [
@@ -163,6 +167,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         Peer("generate-static", {"cache_implementation": "static"}),
         Peer("transformers-prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}),
     ]
+    if compile:
+        peers.append(Peer("generate-compiled", {"cache_implementation": "static", **compile_everywhere()}))
     if native_dflash_reads_layer_outputs():
         dflash = {"assistant_model": drafter, "speculation_type": "dflash"}
         peers += [Peer("transformers-dflash", dflash),
@@ -175,6 +181,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         Peer("dscale-tree-lookup", dict(ours, draft_tree=True, num_branches=num_branches, prompt_lookup=True),
              dscale=True),
     ]
+    if compile:
+        peers.append(Peer("dscale-auto-compiled", dict(ours, compile=True), dscale=True))
     if vp_drafter is not None:
         peers.append(Peer("d2sd", dict(ours, vp_drafter=vp_drafter, num_branches=num_branches), dscale=True))
     return peers
@@ -295,6 +303,8 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
             "mismatches": total["mismatches"],
             "tau": round(total["stats"].tau, 4) if peer.dscale else None,
             "warmup_s": round(total["warmup_s"], 3),
+            "compile_s": round(total["stats"].compile_s + getattr(total["stats"].plan, "compile_s", 0.0), 3)
+            if peer.dscale else None,
             "peak_memory_bytes": total["peak"],
         }
     speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in left-padded batches of this size and report the method's tokens/s "
                         "against the same method one prompt at a time and plain batched generate() (with --method)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the verify forward compiled (custom_generate(compile=True); tens of seconds to compile "
+                        "once, reported as compile_s apart from decode time); with --peers: add plain generate() "
+                        "compiled by transformers with a static cache, and the plan's method compiled")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -88,6 +92,8 @@ def _method_options(args, target) -> dict:
         options |= dict(num_branches=args.num_branches)
     if args.prompt_lookup:
         options |= dict(prompt_lookup=True)
+    if args.compile:
+        options |= dict(compile=True)
     return options
 
 
@@ -121,7 +127,7 @@ def main(args) -> int:
                   draft_confidence=plan.draft_confidence, min_drafts=plan.min_drafts,
                   verify_costs_ms=None if plan.verify_costs is None else {
                       str(w): round(1000 * s, 2) for w, s in plan.verify_costs.items()},
-                  verify_forward=plan.verify_path,
+                  verify_forward=plan.verify_path, compile_widths=plan.to_dict()["compile_widths"],
                   verify_head_transposed=list(plan.transposed or ()),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),
@@ -146,7 +152,8 @@ def _peers(args) -> int:
     target, tokenizer, drafter = load_models(args)
     vp_drafter = load_drafter(args.vp_drafter, target) if args.vp_drafter else None
     confidence = args.draft_confidence
-    peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence)
+    peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence,
+                      compile=args.compile)
     prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {len(peers)} peers", unit="prompt")
     result = bench_peers(target, peers, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))

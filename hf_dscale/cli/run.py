@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-branches", type=int, default=4, help="--tree: branches per cycle (K)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="--tree: add a prompt lookup's proposal to each tree (bench's --prompt-lookup)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the verify forward compiled (tens of seconds to compile once; see bench's --compile)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -46,6 +48,9 @@ def main(args) -> int:
         method = "dscale"
     elif args.tree or args.prompt_lookup:
         method, extra = "dscale-tree", dict(num_branches=args.num_branches, prompt_lookup=args.prompt_lookup)
+    if args.compile:
+        extra["compile"] = True
+        print("compiling the verify forward (once; tens of seconds on a CPU) ...", flush=True)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
                                draft_confidence=args.draft_confidence, **extra)
     report = result.to_json()
@@ -55,4 +60,6 @@ def main(args) -> int:
           f"({report['verify_tokens']:.1f} tokens verified per forward, {cut})")
     print(f"speculative {report['tokens_per_s']:.1f} tokens/s vs plain generate() {report['baseline_tokens_per_s']:.1f} "
           f"tokens/s: speedup {report['speedup']:.2f}x; identical to plain greedy: {report['identical']}")
+    if report["compile_s"]:
+        print(f"compiling took {report['compile_s']:.1f} s, once, not counted in the tokens/s")
     return 0 if report["identical"] else 1

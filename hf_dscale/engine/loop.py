@@ -15,6 +15,9 @@
   columns. Position ids count only a row's valid tokens, so every row sees exactly the sequence plain `generate()`
   would feed it, and the drafters' context caches mirror the same columns. Targets with sliding-window layers get
   their masks by position (`generation/masks.py`).
+* **compiled** (`Plan.compile_widths`, `compiled.py`): the verify runs one compiled forward at a fixed width over a
+  cache of fixed shape (`compat.column_cache`): each tree is padded to that width with nodes that see themselves
+  only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
 """
@@ -36,7 +39,7 @@ from ..models.dscale.assistant import AUTO, TapRecorder, choose_tokens
 from ..models.dscale.modeling_dscale import DraftContextCache
 from . import proposers
 from .accept import accept
-from .plan import Plan, plan_for
+from .plan import Plan, plan_for, tap_ids
 from .state import Rows, Verify, Walk, lay_out
 
 
@@ -49,11 +52,16 @@ class Engine:
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
         self.forward, self.cut = plan.forward(target), plan.cut()
         self.attention = TargetAttention.of(target)
-        # Every position in every layer (the masks apply any window), written in place in buffers allocated ahead
-        self.cache = compat.position_cache(capacity)
-        layer_ids = sorted(set(drafter.config.target_layer_ids)
-                           | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
-        self.recorder = TapRecorder(target, layer_ids)
+        layer_ids = tap_ids(drafter, vp_drafter)
+        # A compiled verify (the plan's choice) needs fixed shapes: a cache of `capacity` columns, taps returned
+        self.static = plan.static_verify(target, drafter, layer_ids) if capacity else None
+        if self.static is not None:
+            self.cache = compat.column_cache(capacity + self.static.widths[-1])
+            self.recorder = self._taps = None
+            self.compiled_s = self.static.compile_s
+        else:  # every position in every layer (the masks apply any window), written in place in buffers allocated ahead
+            self.cache = compat.position_cache(capacity)
+            self.recorder = TapRecorder(target, layer_ids)
         self.tap_index = [layer_ids.index(i) for i in drafter.config.target_layer_ids]
         self.dcache = DraftContextCache(drafter.config.num_hidden_layers, capacity)
         if vp_drafter is not None:
@@ -78,13 +86,18 @@ class Engine:
         """The prompt through the target; the first token; the drafters' context = the prompt's taps."""
         t0 = time.perf_counter()
         positions = column_positions(valid)
-        mask = valid.long()
-        if self.attention.sliding:
-            causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
-            mask = self.attention.masks(valid[:, None, :] & causal, positions, positions, self.target.dtype)
-        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                          use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
-        logits = out.logits[:, -1].float()  # [B, V]
+        causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
+        if self.static is not None:
+            mask = self.static_mask(valid[:, None, :] & causal, positions, 0)
+            out, self._taps = self.static.prefill(input_ids, positions, mask, self.cache)
+            logits = out[:, -1].float()  # [B, V]
+        else:
+            mask = valid.long()
+            if self.attention.sliding:
+                mask = self.attention.masks(valid[:, None, :] & causal, positions, positions, self.target.dtype)
+            out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                              use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
+            logits = out.logits[:, -1].float()  # [B, V]
         if self.processors:
             logits = torch.cat([self.rows.processors_for(self.processors, b)(self.rows.sequence(b), logits[b : b + 1])
                                 for b in range(logits.shape[0])])
@@ -102,7 +115,7 @@ class Engine:
             self.lookups = [PromptLookup(input_ids[b][valid[b]].tolist() + self.rows.generated[b])
                             for b in range(input_ids.shape[0])]
         self.valid, self.anchors, self.anchor_pos = valid, first, valid.sum(-1)
-        self.taps, self.ctx_pos = self.recorder.taps(), positions
+        self.taps, self.ctx_pos = self.latest_taps(), positions
         self.holes = not bool(valid.all())
         self.stats.other_s += time.perf_counter() - t0
 
@@ -115,6 +128,10 @@ class Engine:
         verify = Verify.of(trees, self.anchor_pos)
         logits = self.verify(verify)
         t2 = time.perf_counter()
+        if self.static is not None:  # a shape met for the first time compiles: not decode time
+            compiled, self.compiled_s = self.static.compile_s - self.compiled_s, self.static.compile_s
+            self.stats.compile_s += compiled
+            t1 += compiled
         sampled = self.do_sample and draft.q_logits is not None  # a sampled chain: speculative sampling's rule
         q = draft.q_logits[:, : logits.shape[1] - 1] if sampled else None
         walks = accept(verify, logits, self.rows, self.processors, self.do_sample, q, self.active)
@@ -187,9 +204,46 @@ class Engine:
                                                  compact=columns is not None).float()
         return prefixes, vp_logits.view(b, m, *vp_logits.shape[1:]), columns
 
+    def latest_taps(self) -> torch.Tensor:
+        """The tapped layers' outputs [B, N, T, H] for the N positions of the latest target forward."""
+        return self._taps if self.static is not None else self.recorder.taps()
+
+    def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int):
+        """A compiled forward's mask: queries at `positions` [B, Q], written at columns start..start+Q, that see the
+        valid cache columns before `start` and the new ones `allowed` [B, Q, Q] lets them; every other column of the
+        cache's capacity is hidden. Sets the columns the forward writes."""
+        b, q = positions.shape
+        capacity = self.cache.columns.capacity
+        if start + q > capacity:  # rows that advanced unevenly left holes: more room (the capacity is dynamic)
+            capacity = 2 * (start + q)
+            compat.grow_columns(self.cache, capacity)
+        seen = allowed.new_zeros(b, q, capacity)
+        seen[:, :, start : start + q] = allowed
+        key_pos = positions.new_zeros(b, capacity)
+        key_pos[:, start : start + q] = positions
+        if start:
+            seen[:, :, :start] = self.valid[:, None, :]
+            key_pos[:, :start] = column_positions(self.valid)
+        self.cache.columns.write = torch.arange(start, start + q, device=positions.device)
+        self.cache.columns.length = start + q
+        return self.attention.masks(seen, positions, key_pos, self.target.dtype)
+
     def verify(self, verify: Verify) -> torch.Tensor:
         """The target's logits [B, N, V] after every node of every row's tree."""
         n = verify.ids.shape[1]
+        if self.static is not None:  # padded to the compiled width with nodes that see themselves only
+            width = self.static.width(n)
+            allowed = verify.allowed if verify.allowed is not None else \
+                torch.ones(n, n, dtype=torch.bool, device=verify.ids.device).tril().expand(len(verify.trees), -1, -1)
+            pad = width - n
+            ids = torch.cat((verify.ids, verify.ids[:, :1].expand(-1, pad)), dim=1)
+            positions = torch.cat((verify.positions, verify.positions[:, :1].expand(-1, pad)), dim=1)
+            grown = torch.eye(width, dtype=torch.bool, device=ids.device).repeat(ids.shape[0], 1, 1)
+            grown[:, :n, :n] = allowed
+            mask = self.static_mask(grown, positions, self.valid.shape[1])
+            logits, taps = self.static(ids, positions, mask, self.cache)
+            self._taps = taps[:, :n]
+            return logits[:, :n]
         if verify.allowed is None and not self.attention.sliding:
             mask = torch.cat((self.valid, self.valid.new_ones(self.valid.shape[0], n)), dim=1).long()
         else:
@@ -229,7 +283,7 @@ class Engine:
         compat.crop_to(self.cache, start + width)
         self.valid = torch.cat((self.valid, new_valid), dim=1)
         self.holes = self.holes or not all(w is not None and len(w.path) == width for w in walks)
-        taps = self.recorder.taps()  # [B, N, T, H]
+        taps = self.latest_taps()  # [B, N, T, H]
         self.taps = taps.gather(1, index[:, :, None, None].expand(-1, -1, *taps.shape[2:]))
         self.ctx_pos = self.anchor_pos[:, None] + torch.arange(width, device=device)
         self.anchors = self.anchors.new_tensor(anchors)
@@ -301,9 +355,9 @@ def decode(
                         **options)
     attn = compat.attention_implementation(target)
     _check_attention(attn, plan)
-    if tree_kernel is None:
+    if tree_kernel is None:  # a compiled verify keeps the attention it was compiled with
         tree_kernel = plan.tree and input_ids.device.type == "cuda" and triton_usable(input_ids.device) and \
-            attn in ("sdpa", "eager")
+            attn in ("sdpa", "eager") and plan.compile_widths is None
     valid = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).bool()
     # Plain generate() pads the rows that stop only when it stops on EOS (a criterion with `eos_token_id`); a single
     # row ends where it stops either way.
@@ -321,7 +375,8 @@ def decode(
         while not all(rows.finished):
             engine.cycle()
     finally:
-        engine.recorder.remove()
+        if engine.recorder is not None:
+            engine.recorder.remove()
         if tree_kernel:
             target.set_attn_implementation(attn)
         if streamer is not None:

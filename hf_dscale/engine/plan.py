@@ -26,6 +26,7 @@ from torch import nn
 
 from ..generation import target_forward
 from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence
+from .compiled import static_verify_for
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
 
@@ -45,6 +46,8 @@ class Plan:
     transposed: tuple[int, ...] | None  # widths the verify applies the LM head transposed (None: the model's forward)
     verify_costs: dict[int, float] | None = None  # seconds of a verify of w tokens (anchor included), w = 1..max
     calibrate_s: float = 0.0  # what measuring cost
+    compile_widths: tuple[int, ...] | None = None  # the verify runs compiled at these widths (None: eager)
+    compile_s: float = 0.0  # what compiling cost (apart from calibrate_s)
     reasons: tuple[str, ...] = field(default_factory=tuple)  # one line per decision
 
     @property
@@ -54,6 +57,8 @@ class Plan:
 
     @property
     def verify_path(self) -> str:
+        if self.compile_widths is not None:
+            return "compiled"
         return "model" if self.transposed is None else "split-head"
 
     def cut(self) -> DraftCut:
@@ -65,6 +70,12 @@ class Plan:
     def forward(self, target: nn.Module) -> target_forward.TargetForward:
         """The verify forward this plan chose for `target`."""
         return target_forward.TargetForward(target, None if self.transposed is None else frozenset(self.transposed))
+
+    def static_verify(self, target: nn.Module, drafter: nn.Module, tap_ids: list[int]):
+        """The compiled verify this plan chose (`compiled.StaticVerify`), or None for an eager one."""
+        if self.compile_widths is None:
+            return None
+        return static_verify_for(target, drafter, tap_ids, self.compile_widths)
 
     def method(self, vp: bool = False) -> str:
         """The method's name as `hf-dscale bench` reports it."""
@@ -78,6 +89,7 @@ class Plan:
         out = asdict(self)
         out["verify_path"] = self.verify_path
         out["transposed"] = None if self.transposed is None else list(self.transposed)
+        out["compile_widths"] = None if self.compile_widths is None else list(self.compile_widths)
         out["reasons"] = list(self.reasons)
         if self.verify_costs is not None:
             out["verify_costs"] = {str(w): round(s, 6) for w, s in self.verify_costs.items()}
@@ -92,12 +104,18 @@ def _device(model: nn.Module) -> torch.device:
 def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | None = None, batch_size: int = 1,
               do_sample: bool = False, tree: bool | None = None, prompt_lookup: bool | None = None,
               num_branches: int = 4, branch_policy: str = "ranked",
-              draft_confidence: float | str | None = None) -> Plan:
+              draft_confidence: float | str | None = None, compile: bool = False,
+              compile_widths: tuple[int, ...] | None = None) -> Plan:
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
     Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
     `Plan.reasons`. Measuring costs a few seconds on a small CPU (~3 s for SmolLM2-135M on 2 cores) and
     milliseconds for tiny models; `plan_for` keeps one per target, batch size and options on the drafter.
+
+    `compile=True` verifies through a compiled forward (`compiled.StaticVerify`) at `compile_widths` (default: the
+    widest verify alone, so one compile serves every tree), and the tree is sized by the compiled costs. Compiling
+    takes tens of seconds per width on a CPU (`Plan.compile_s`, kept apart from decode time) and pays only over
+    long or many generations, so it is a choice, not a default.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -134,14 +152,29 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     block = drafter.config.block_size
     max_width = block if device.type == "cpu" or not tree else 2 * block
     transposed = None
-    if target_forward.splittable(target):
+    if target_forward.splittable(target) and not compile:  # a compiled verify fuses its head in the graph
         faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),
                                                    batch_size)
         transposed = tuple(sorted(faster)) or None
-    reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
-                   "verify with the target's own forward")
+    if not compile:
+        reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
+                       "verify with the target's own forward")
     forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
-    cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what the setting needs
+    compile_s = 0.0
+    if compile:
+        compile_widths = tuple(sorted(set(compile_widths or (max_width,))))
+        max_width = compile_widths[-1]
+        static = static_verify_for(target, drafter, tap_ids(drafter, vp_drafter), compile_widths)
+        before = static.compile_s
+        measured = static.measure(batch_size)
+        compile_s = static.compile_s - before
+        costs = {w: measured[static.width(w)] for w in range(1, max_width + 1)}
+        cut = DraftCut(costs=costs) if confidence == AUTO else \
+            DraftCut.for_target(target, confidence, max_width, batch_size, forward)
+        reasons.append(f"compiled verify at widths {list(compile_widths)} ({compile_s:.1f} s to compile)")
+    else:
+        compile_widths = None
+        cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what it needs
     if cut.costs is not None:
         reasons.append(f"draft_confidence auto: verify widths chosen each cycle from the costs of 1..{max_width} "
                        f"tokens at batch {batch_size}")
@@ -150,7 +183,14 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
                 num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
                 min_drafts=cut.minimum, transposed=transposed, verify_costs=cut.costs,
-                calibrate_s=time.perf_counter() - start, reasons=tuple(reasons))
+                calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
+                compile_s=compile_s, reasons=tuple(reasons))
+
+
+def tap_ids(drafter: nn.Module, vp_drafter: nn.Module | None = None) -> list[int]:
+    """The target layers the drafters read, in order."""
+    return sorted(set(drafter.config.target_layer_ids)
+                  | set(() if vp_drafter is None else vp_drafter.config.target_layer_ids))
 
 
 def plan_for(target: nn.Module, drafter: nn.Module, **options) -> Plan:

@@ -37,6 +37,7 @@ def generate(
     tree_kernel: bool | None = None,
     draft_confidence: float | str | None = None,
     prompt_lookup: bool | None = None,
+    compile: bool | None = None,
     plan=None,
     streamer_=None,
     dscale_stats=None,
@@ -68,6 +69,10 @@ def generate(
         prompt_lookup: add to each tree the tokens that followed the latest earlier occurrence of the sequence's
             last few tokens (prompt lookup), weighed by how often such proposals were accepted so far; helps where
             the output repeats its context (code, quotes). No model pass; output is unchanged.
+        compile: run the verify forward compiled (`torch.compile` with the weights frozen, at the widest verify; see
+            `hf_dscale.engine.compiled`): on a CPU a 16-token verify then costs about 1.3x a one-token step instead
+            of 2x, so wider trees pay. Compiling takes tens of seconds once per target (reported in
+            `dscale_stats.compile_s` and the plan's `compile_s`); later calls reuse it. Default: off.
         plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
             target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).
@@ -92,7 +97,7 @@ def generate(
                               do_sample=bool(generation_config.do_sample), pad_token_id=int(pad),
                               cache=compat.find_cache(model_kwargs), streamer=streamer_, tree_kernel=tree_kernel,
                               tree=draft_tree, num_branches=num_branches, branch_policy=branch_policy,
-                              draft_confidence=draft_confidence, prompt_lookup=prompt_lookup)
+                              draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, compile=compile)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

@@ -20,6 +20,7 @@ class DecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    compile_s: float = 0.0  # compiling the verify for a shape first met in this call (not in verify_s)
     plan: Any = None  # the engine's `Plan` (hf_dscale.engine), what was measured and chosen for the call
 
     @property
@@ -33,4 +34,5 @@ class DecodeStats:
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s
         self.other_s += other.other_s
+        self.compile_s += other.compile_s
         self.plan = other.plan if other.plan is not None else self.plan

@@ -98,6 +98,67 @@ def position_cache(capacity: int = 0) -> DynamicCache:
     return cache
 
 
+class Columns:
+    """What the `ColumnLayer`s of one cache share: their `capacity`, the columns the next forward writes (`write`, a
+    tensor [Q]) and how many columns hold entries (`length`, what `get_seq_length` reports and a crop shortens)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.write, self.length = capacity, None, 0
+
+
+class ColumnLayer(DynamicLayer):
+    """A cache layer of fixed shape for a compiled forward: `keys`/`values` [B, H, capacity, D] allocated at the
+    first update, which writes the new entries at the columns `columns.write` and returns the whole buffers (the
+    caller's 4D mask hides the columns not in use). Its shapes never change, so a compiled forward runs it without
+    recompiling; a crop only lowers `columns.length`."""
+
+    def __init__(self, columns: Columns):
+        super().__init__()
+        self.columns = columns
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys = key_states.new_zeros(*key_states.shape[:2], self.columns.capacity, key_states.shape[-1])
+            self.values = value_states.new_zeros(*value_states.shape[:2], self.columns.capacity,
+                                                 value_states.shape[-1])
+            self.is_initialized = True
+        self.keys.index_copy_(2, self.columns.write, key_states)
+        self.values.index_copy_(2, self.columns.write, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.columns.length
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.columns.capacity, 0
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.columns.length + max_length
+        self.columns.length = min(self.columns.length, max_length)
+
+
+def column_cache(capacity: int) -> DynamicCache:
+    """A `DynamicCache` of `ColumnLayer`s sharing one `Columns` (`cache.columns`)."""
+    cache = DynamicCache()
+    cache.columns = Columns(capacity)
+    cache.layer_class_to_replicate = partial(ColumnLayer, cache.columns)
+    return cache
+
+
+def grow_columns(cache, capacity: int) -> None:
+    """Give a `column_cache` room for `capacity` columns, keeping its entries."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
+                new[:, :, : old.shape[2]] = old
+                setattr(layer, name, new)
+    cache.columns.capacity = capacity
+
+
 def crop_to(cache, length: int) -> None:
     """Keep the first `length` positions of every layer."""
     extra = cache.get_seq_length() - length
@@ -144,6 +205,19 @@ NATIVE_DFLASH_READS_LAYER_OUTPUTS_SINCE = (5, 23)
 def transformers_release() -> tuple[int, int]:
     """(major, minor) of the installed transformers."""
     return Version(transformers.__version__).release[:2]
+
+
+def compile_everywhere() -> dict:
+    """`generate()` keyword arguments that make transformers compile its decoding step with a static cache on any
+    device, not only where it does by default (a GPU): a `CompileConfig` asking for all devices, or {} where the
+    installed transformers has no such setting."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    if not hasattr(config, "_compile_all_devices"):
+        return {}
+    config._compile_all_devices = True
+    return {"compile_config": config}
 
 
 def native_dflash_reads_layer_outputs() -> bool:

@@ -1,0 +1,78 @@
+"""The compiled verify: a cache of fixed shape, taps without hooks, and decoding through it exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dscale.engine import calibrate
+from hf_dscale.engine.compiled import StaticVerify
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.generation.masks import TargetAttention
+from hf_dscale.models.dscale import compat
+from hf_dscale.models.dscale.assistant import TapRecorder
+
+from ..conftest import tiny_drafter, tiny_target
+from ..generation.test_exactness import _oracle, _prompt
+
+
+def test_column_cache_writes_at_the_named_columns_crops_by_count_and_grows():
+    cache = compat.column_cache(6)
+    layer = cache.layer_class_to_replicate()
+    cache.columns.write = torch.tensor([0, 1, 2])
+    keys, values = layer.update(torch.ones(1, 2, 3, 4), 2 * torch.ones(1, 2, 3, 4))
+    assert keys.shape == (1, 2, 6, 4) and keys[0, 0, :3].eq(1).all() and keys[0, 0, 3:].eq(0).all()
+    cache.columns.length = 5
+    layer.crop(-2)
+    assert layer.get_seq_length() == 3 and layer.get_mask_sizes(1) == (6, 0)
+    layer.crop(-1)  # a crop per layer of one cache must not compound: the count is shared
+    assert cache.columns.length == 2
+    cache.layers = [layer]
+    compat.grow_columns(cache, 10)
+    assert layer.keys.shape[2] == 10 and cache.columns.capacity == 10 and layer.values[0, 0, :3].eq(2).all()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_forwards_taps_equal_the_tap_hooks(kind):
+    """The compiled path reads the tapped layers from `hidden_states`; they must be what the hooks record. The last
+    layer's output comes back only after the final norm: refused."""
+    target = tiny_target(kind)
+    taps = list(range(target.config.num_hidden_layers - 1))
+    with pytest.raises(ValueError, match="last layer"):
+        StaticVerify(target, taps + [target.config.num_hidden_layers - 1], (4,))
+    ids, _ = _prompt(1, 9, 0)
+    recorder = TapRecorder(target, taps)
+    try:
+        target(input_ids=ids)
+        hooked = recorder.taps()
+    finally:
+        recorder.remove()
+    static = StaticVerify(target, taps, (4,))
+    cache = compat.column_cache(16)
+    cache.columns.write = torch.arange(9)
+    allowed = torch.ones(9, 16, dtype=torch.bool).tril()[None]  # columns 9.. hold nothing: hidden
+    mask = TargetAttention.of(target).masks(allowed, torch.arange(9)[None], torch.arange(16)[None], target.dtype)
+    logits, read = static.prefill(ids, torch.arange(9)[None], mask, cache)
+    assert torch.allclose(read, hooked, atol=1e-5)
+    assert torch.allclose(logits[:, -1], target(input_ids=ids).logits[:, -1], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_compiled_verify_decodes_exactly_batched_and_reports_its_compile_time(kind):
+    """One compile per (batch, width) serves every generation: shapes do not depend on the cache's length."""
+    target = tiny_target(kind)
+    ids, mask = _prompt(2, 14, 1)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, plain, mask, 0.3, 1)
+    plan = calibrate(target, drafter, batch_size=2, compile=True)
+    assert plan.compile_widths == (drafter.config.block_size,) and plan.compile_s > 0
+    assert plan.verify_path == "compiled" and plan.to_dict()["compile_widths"] == [drafter.config.block_size]
+    for new in (30, 41):  # a longer generation: a larger cache, no second compile
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        drafter.oracle = _oracle(target, plain, mask, 0.3, 1).oracle
+        stats = DecodeStats()
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, plan=plan, dscale_stats=stats)
+        assert torch.equal(plain, spec), new
+        assert stats.compile_s == 0.0  # compiled in calibrate, for this batch size and width
+        assert set(stats.verified) <= set(range(1, drafter.config.block_size + 1))
