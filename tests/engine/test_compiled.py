@@ -12,7 +12,7 @@ from hf_dscale.generation.masks import TargetAttention
 from hf_dscale.models.dscale import compat
 from hf_dscale.models.dscale.assistant import TapRecorder
 
-from ..conftest import tiny_drafter, tiny_target
+from ..conftest import tiny_target
 from ..generation.test_exactness import _oracle, _prompt
 
 
