@@ -306,6 +306,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
             "compile_s": round(total["stats"].compile_s + getattr(total["stats"].plan, "compile_s", 0.0), 3)
             if peer.dscale else None,
             "peak_memory_bytes": total["peak"],
+            **({"plan": total["stats"].plan.to_dict()} if peer.dscale and total["stats"].plan is not None else {}),
         }
     speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}
                for a in report}

@@ -166,7 +166,11 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         max_width = compile_widths[-1]
         static = static_verify_for(target, drafter, tap_ids(drafter, vp_drafter), compile_widths)
         before = static.compile_s
-        measured = static.measure(batch_size)
+        try:
+            measured = static.measure(batch_size)
+        except Exception as error:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
+            raise RuntimeError(f"Compiling the verify forward failed ({type(error).__name__}: {error}); decode "
+                               "without compile=True (eager verifies are exact too).") from error
         compile_s = static.compile_s - before
         costs = {w: measured[static.width(w)] for w in range(1, max_width + 1)}
         cut = DraftCut(costs=costs) if confidence == AUTO else \

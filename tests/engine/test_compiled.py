@@ -76,3 +76,18 @@ def test_compiled_verify_decodes_exactly_batched_and_reports_its_compile_time(ki
         assert torch.equal(plain, spec), new
         assert stats.compile_s == 0.0  # compiled in calibrate, for this batch size and width
         assert set(stats.verified) <= set(range(1, drafter.config.block_size + 1))
+
+
+def test_each_target_gets_its_own_compiled_weights():
+    """Freezing bakes a target's weights into its graph: a second target of the same shapes must not run the first's."""
+    outputs = []
+    for seed in (0, 1):
+        target = tiny_target("llama", seed=seed)
+        ids, mask = _prompt(1, 10, 2)
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        drafter = _oracle(target, plain, mask, 0.2)
+        spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                               custom_generate=custom_generate, drafter=drafter, compile=True)
+        assert torch.equal(plain, spec), seed
+        outputs.append(plain)
+    assert not torch.equal(*outputs)  # the two targets do decode differently
