@@ -181,3 +181,22 @@ def test_draft_context_cache_keeps_the_context_in_place_and_returns_context_then
     cache.select_rows(torch.tensor([1]))
     k, _ = cache.extend(0, kv(1, 1, 4), kv(1, 1, -4), kv(1, 1, 5), kv(1, 1, -5))
     assert k[0, 0, :, 0].tolist() == [1, 1, 1, 2] + [3] * 5 + [4, 5]
+
+
+def test_bench_batched_measures_both_plans_before_timing(monkeypatch):
+    """A plan is measured once per batch size (and compiled, with compile=True): the one-prompt-at-a-time runs must
+    not carry theirs in their timed seconds."""
+    from hf_dscale import evaluation
+    from hf_dscale.engine import plan as plan_module
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    events = []
+    real_calibrate, real_timed = plan_module.calibrate, evaluation._timed
+    monkeypatch.setattr(plan_module, "calibrate",
+                        lambda *a, **k: events.append(("plan", k["batch_size"])) or real_calibrate(*a, **k))
+    monkeypatch.setattr(evaluation, "_timed", lambda fn: events.append("timed") or real_timed(fn))
+    prompts = [(str(i), _prompt(1, 6 + i, i)[0]) for i in range(2)]
+    report = evaluation.bench_batched(target, drafter, prompts, batch_size=2, max_new_tokens=6)
+    assert report["identical"] and sorted(e for e in events if e != "timed") == [("plan", 1), ("plan", 2)]
+    assert events.index("timed") > max(events.index(("plan", 1)), events.index(("plan", 2)))
