@@ -127,7 +127,8 @@ def main(args) -> int:
                   draft_confidence=plan.draft_confidence, min_drafts=plan.min_drafts,
                   verify_costs_ms=None if plan.verify_costs is None else {
                       str(w): round(1000 * s, 2) for w, s in plan.verify_costs.items()},
-                  verify_forward=plan.verify_path, compile_widths=plan.to_dict()["compile_widths"],
+                  verify_forward=plan.verify_path,
+                  compile_widths=None if plan.compile_widths is None else list(plan.compile_widths),
                   verify_head_transposed=list(plan.transposed or ()),
                   draft_vocab_size=drafter.config.draft_vocab_size,
                   device=str(target.device),

@@ -16,6 +16,7 @@ so the compiled graph does not depend on hooks the engine adds and removes.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -29,20 +30,19 @@ class StaticVerify:
 
     `__call__(ids, positions, mask, cache)` -> (logits [B, W, V], taps [B, W, T, H]) for `ids` [B, W] at the columns
     `cache.columns.write` names; `prefill(...)` is the same forward run eagerly, with the head on the last position
-    only. `transposed`: the widths whose LM head runs transposed (`target_forward.py`).
+    only.
     """
 
-    def __init__(self, target: nn.Module, tap_ids: list[int], widths: tuple[int, ...],
-                 transposed: frozenset[int] = frozenset()):
+    def __init__(self, target: nn.Module, tap_ids: list[int], widths: tuple[int, ...]):
         layers = target.config.get_text_config(decoder=True).num_hidden_layers
         if layers - 1 in tap_ids:
             raise ValueError(f"The drafter reads the target's last layer ({layers - 1}), whose output transformers "
                              "returns only after the final norm, so a compiled verify cannot hand it over: decode "
                              "without compile.")
-        self.target, self.tap_ids, self.widths, self.transposed = target, list(tap_ids), tuple(sorted(widths)), transposed
-        self.split = splittable(target)
-        module = target.base_model if self.split else target
-        self.cache_name = next(iter(compat.cache_kwargs(module, None)))  # outside the graph: an lru_cache'd lookup
+        self.target, self.tap_ids, self.widths = target, list(tap_ids), tuple(sorted(widths))
+        self.split = splittable(target)  # run the base model and apply the head here (only where that is exact)
+        self.module = target.base_model if self.split else target
+        self.cache_name = next(iter(compat.cache_kwargs(self.module, None)))  # outside the graph: an lru_cache'd lookup
         self.compiled = torch.compile(self._forward, dynamic=False)
         self.seen: set[tuple[int, int]] = set()  # (batch, width) already compiled
         self.compile_s = 0.0
@@ -52,14 +52,13 @@ class StaticVerify:
         return next((w for w in self.widths if w >= n), self.widths[-1])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache, last: bool = False):
-        module = self.target.base_model if self.split else self.target
-        out = module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        out = self.module(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                      output_hidden_states=True, **{self.cache_name: cache})
         taps = torch.stack([out.hidden_states[i + 1] for i in self.tap_ids], dim=2)  # [B, W, T, H]
         if not self.split:
             return out.logits[:, -1:] if last else out.logits, taps
         hidden = out.last_hidden_state[:, -1:] if last else out.last_hidden_state
-        return apply_head(self.target.get_output_embeddings(), hidden, hidden.shape[1] in self.transposed), taps
+        return apply_head(self.target.get_output_embeddings(), hidden, False), taps
 
     def _run(self, *args):
         # freezing (the weights as constants, prepacked) is an inductor setting, scoped to this call, not the process
@@ -116,11 +115,10 @@ class StaticVerify:
         return median_seconds(jobs, repeats, clock, sync)
 
 
-def static_verify_for(target: nn.Module, drafter: nn.Module, tap_ids: list[int], widths: tuple[int, ...]) -> StaticVerify:
+def static_verify_for(target: nn.Module, drafter: nn.Module, tap_ids: list[int],
+                      widths: tuple[int, ...]) -> StaticVerify:
     """The `StaticVerify` of `target` for these taps and widths, compiled once and kept on the drafter (held weakly by
     target, as `plan_for` keeps plans), so that later `generate()` calls do not compile again."""
-    import weakref
-
     kept = drafter.__dict__.setdefault("_static_verifies", weakref.WeakKeyDictionary())
     known = kept.setdefault(target, {})
     key = (tuple(tap_ids), tuple(sorted(widths)))

@@ -24,6 +24,11 @@ class DecodeStats:
     plan: Any = None  # the engine's `Plan` (hf_dscale.engine), what was measured and chosen for the call
 
     @property
+    def compile_total_s(self) -> float:
+        """Compiling, all of it: in this call (`compile_s`) and when its plan was made (`Plan.compile_s`)."""
+        return self.compile_s + getattr(self.plan, "compile_s", 0.0)
+
+    @property
     def tau(self) -> float:
         return sum(self.committed) / max(1, len(self.committed))
 
