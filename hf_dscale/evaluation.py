@@ -156,9 +156,11 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
     * `dscale-auto` (what `custom_generate` does with no method options: the engine's plan chooses), `dscale` (the
       chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`;
     * with `compile`: `generate-compiled`, plain decoding with a static cache compiled by transformers on any device
-      (`compat.compile_everywhere`), and `dscale-auto-compiled`, the plan's method with its verify compiled
-      (`custom_generate(compile=True)`).
+      (`compat.compile_everywhere`), and the plan's method with the other verify than the device's default
+      (`plan.compile_by_default`): `dscale-auto-compiled` (`custom_generate(compile=True)`) where the default is
+      eager (a CPU), `dscale-auto-eager` (`compile=False`) where it compiles (a GPU).
     """
+    from .engine.plan import compile_by_default
     from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 
     ours = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=draft_confidence)
@@ -182,7 +184,9 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
              dscale=True),
     ]
     if compile:
-        peers.append(Peer("dscale-auto-compiled", dict(ours, compile=True), dscale=True))
+        compiled = compile_by_default(next(target.parameters()).device)[0]
+        peers.append(Peer("dscale-auto-eager", dict(ours, compile=False), dscale=True) if compiled else
+                     Peer("dscale-auto-compiled", dict(ours, compile=True), dscale=True))
     if vp_drafter is not None:
         peers.append(Peer("d2sd", dict(ours, vp_drafter=vp_drafter, num_branches=num_branches), dscale=True))
     return peers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..evaluation import BENCH_METHODS
 from ..engine.plan import BRANCH_POLICIES
 from .common import add_cut_arg, add_model_args, describe_machine, emit_report, load_drafter, load_models
@@ -33,10 +35,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in left-padded batches of this size and report the method's tokens/s "
                         "against the same method one prompt at a time and plain batched generate() (with --method)")
-    p.add_argument("--compile", action="store_true",
-                   help="run the verify forward compiled (custom_generate(compile=True); tens of seconds to compile "
-                        "once, reported as compile_s apart from decode time); with --peers: add plain generate() "
-                        "compiled by transformers with a static cache, and the plan's method compiled")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the verify forward compiled, or not (custom_generate(compile=...); default: the plan's, "
+                        "compiled on a GPU, eager on a CPU; tens of seconds to compile once, reported as compile_s "
+                        "apart from decode time); with --peers, --compile adds plain generate() compiled by "
+                        "transformers with a static cache, and the plan's method compiled")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -92,8 +95,8 @@ def _method_options(args, target) -> dict:
         options |= dict(num_branches=args.num_branches)
     if args.prompt_lookup:
         options |= dict(prompt_lookup=True)
-    if args.compile:
-        options |= dict(compile=True)
+    if args.compile is not None:
+        options |= dict(compile=args.compile)
     return options
 
 
@@ -154,7 +157,7 @@ def _peers(args) -> int:
     vp_drafter = load_drafter(args.vp_drafter, target) if args.vp_drafter else None
     confidence = args.draft_confidence
     peers = peers_for(target, drafter, vp_drafter, num_branches=args.num_branches, draft_confidence=confidence,
-                      compile=args.compile)
+                      compile=bool(args.compile))
     prompts = _prompt_ids(args, tokenizer, target.device)
     bar = tqdm(total=len(prompts), desc=f"bench {len(peers)} peers", unit="prompt")
     result = bench_peers(target, peers, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))

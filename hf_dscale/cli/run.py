@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from .common import DEFAULT_DRAFTER, add_cut_arg, add_model_args, describe_plan, load_models
 
 DEFAULT_PROMPT = (
@@ -24,8 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-branches", type=int, default=4, help="--tree: branches per cycle (K)")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="--tree: add a prompt lookup's proposal to each tree (bench's --prompt-lookup)")
-    p.add_argument("--compile", action="store_true",
-                   help="run the verify forward compiled (tens of seconds to compile once; see bench's --compile)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the verify forward compiled, or not (default: the plan's, compiled on a GPU, eager on a "
+                        "CPU; tens of seconds to compile once; see bench's --compile)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -48,8 +51,9 @@ def main(args) -> int:
         method = "dscale"
     elif args.tree or args.prompt_lookup:
         method, extra = "dscale-tree", dict(num_branches=args.num_branches, prompt_lookup=args.prompt_lookup)
+    if args.compile is not None:
+        extra["compile"] = args.compile
     if args.compile:
-        extra["compile"] = True
         print("compiling the verify forward (once; tens of seconds on a CPU) ...", flush=True)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
                                draft_confidence=args.draft_confidence, **extra)

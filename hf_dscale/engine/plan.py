@@ -12,11 +12,14 @@ no branch pays for its width, so it is never slower than the chain by constructi
 benchmarks it is the fastest of the methods on a CPU (`hf-dscale bench --peers`). Sampling verifies a chain:
 speculative sampling's rejection rule accepts a sampled chain's drafts more often than a tree's "sample, then
 match" accepts a fixed tree's, and a sampled draft is what the rule needs. A second (variable-prefix) drafter means
-D²SD.
+D²SD. Whether the verify runs compiled (`compiled.py`) is chosen by device (`compile_by_default`): on a GPU it is,
+as transformers compiles its own static-cache decoding there; on a CPU, where compiling takes tens of seconds, a
+caller asks for it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -29,6 +32,8 @@ from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, reso
 from .compiled import static_verify_for
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def _device(model: nn.Module) -> torch.device:
 def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | None = None, batch_size: int = 1,
               do_sample: bool = False, tree: bool | None = None, prompt_lookup: bool | None = None,
               num_branches: int = 4, branch_policy: str = "ranked",
-              draft_confidence: float | str | None = None, compile: bool = False,
+              draft_confidence: float | str | None = None, compile: bool | None = None,
               compile_widths: tuple[int, ...] | None = None) -> Plan:
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
@@ -115,7 +120,8 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     `compile=True` verifies through a compiled forward (`compiled.StaticVerify`) at `compile_widths` (default: the
     widest verify alone, so one compile serves every tree), and the tree is sized by the compiled costs. Compiling
     takes tens of seconds per width on a CPU (`Plan.compile_s`, kept apart from decode time) and pays only over
-    long or many generations, so it is a choice, not a default.
+    long or many generations. `compile=None` decides by device (`compile_by_default`): compiled on a GPU, falling
+    back to an eager verify (logged, and in `Plan.reasons`) where compiling fails; eager on a CPU.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -151,33 +157,26 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
 
     block = drafter.config.block_size
     max_width = block if device.type == "cpu" or not tree else 2 * block
-    transposed = None
-    if target_forward.splittable(target) and not compile:  # a compiled verify fuses its head in the graph
-        faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),
-                                                   batch_size)
-        transposed = tuple(sorted(faster)) or None
-    if not compile:
+    by_default = compile is None
+    if by_default:
+        compile, why = compile_by_default(device)
+        reasons.append(why)
+    compiled = _compiled_costs(target, drafter, vp_drafter, compile_widths or (max_width,), batch_size,
+                               by_default, reasons) if compile else None
+    transposed, compile_widths, compile_s = None, None, 0.0
+    if compiled is not None:  # a compiled verify fuses its head in the graph: no split head
+        compile_widths, costs, compile_s = compiled
+        max_width = compile_widths[-1]
+        cut = DraftCut(costs=costs) if confidence == AUTO else \
+            DraftCut.for_target(target, confidence, max_width, batch_size, target_forward.TargetForward(target, None))
+    else:
+        if target_forward.splittable(target):
+            faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),
+                                                       batch_size)
+            transposed = tuple(sorted(faster)) or None
         reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
                        "verify with the target's own forward")
-    forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
-    compile_s = 0.0
-    if compile:
-        compile_widths = tuple(sorted(set(compile_widths or (max_width,))))
-        max_width = compile_widths[-1]
-        static = static_verify_for(target, drafter, tap_ids(drafter, vp_drafter), compile_widths)
-        before = static.compile_s
-        try:
-            measured = static.measure(batch_size)
-        except Exception as error:  # inductor needs a C++ compiler on a CPU, Triton on a GPU
-            raise RuntimeError(f"Compiling the verify forward failed ({type(error).__name__}: {error}); decode "
-                               "without compile=True (eager verifies are exact too).") from error
-        compile_s = static.compile_s - before
-        costs = {w: measured[static.width(w)] for w in range(1, max_width + 1)}
-        cut = DraftCut(costs=costs) if confidence == AUTO else \
-            DraftCut.for_target(target, confidence, max_width, batch_size, forward)
-        reasons.append(f"compiled verify at widths {list(compile_widths)} ({compile_s:.1f} s to compile)")
-    else:
-        compile_widths = None
+        forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
         cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what it needs
     if cut.costs is not None:
         reasons.append(f"draft_confidence auto: verify widths chosen each cycle from the costs of 1..{max_width} "
@@ -189,6 +188,40 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                 min_drafts=cut.minimum, transposed=transposed, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
                 compile_s=compile_s, reasons=tuple(reasons))
+
+
+def compile_by_default(device: torch.device) -> tuple[bool, str]:
+    """Whether a call that does not say compiles its verify, and why: on a GPU, where an eager forward of a small
+    target is bound by kernel launches and transformers' own static-cache `generate()` compiles by default too; not
+    on a CPU, where compiling costs tens of seconds (about 40 s for SmolLM2-135M on 2 cores) and a compiled verify
+    saves about a quarter of each cycle, so it pays back only after thousands of tokens."""
+    if device.type == "cuda":
+        return True, "compiled verify: the default on a GPU (compile=False for eager)"
+    return False, (f"eager verify: the default on a {device.type.upper()}, where compiling costs tens of seconds and "
+                   "pays back over thousands of tokens (compile=True to pay it)")
+
+
+def _compiled_costs(target: nn.Module, drafter: nn.Module, vp_drafter: nn.Module | None, widths: tuple[int, ...],
+                    batch_size: int, fall_back: bool, reasons: list[str]):
+    """Compile the verify at `widths` and measure it: (widths, costs of 1..widest tokens, seconds compiling). A
+    compile that fails raises, or, when compiling was the default (`fall_back`), is logged and gives None: eager."""
+    widths = tuple(sorted(set(widths)))
+    try:
+        static = static_verify_for(target, drafter, tap_ids(drafter, vp_drafter), widths)
+        before = static.compile_s
+        measured = static.measure(batch_size)
+    except Exception as error:  # inductor needs a C++ compiler on a CPU, Triton on a GPU; some taps cannot compile
+        failure = f"{type(error).__name__}: {error}"
+        if not fall_back:
+            raise RuntimeError(f"Compiling the verify forward failed ({failure}); decode without compile=True (eager "
+                               "verifies are exact too).") from error
+        logger.warning("hf_dscale: compiling the verify forward failed (%s); decoding with an eager verify, which is "
+                       "exact too. Pass compile=False to skip the attempt.", failure)
+        reasons.append(f"eager verify: compiling failed ({failure.splitlines()[0][:200]})")
+        return None
+    compile_s = static.compile_s - before
+    reasons.append(f"compiled verify at widths {list(widths)} ({compile_s:.1f} s to compile)")
+    return widths, {w: measured[static.width(w)] for w in range(1, widths[-1] + 1)}, compile_s
 
 
 def tap_ids(drafter: nn.Module, vp_drafter: nn.Module | None = None) -> list[int]:

@@ -72,7 +72,9 @@ def generate(
         compile: run the verify forward compiled (`torch.compile` with the weights frozen, at the widest verify; see
             `hf_dscale.engine.compiled`): on a CPU a 16-token verify then costs about 1.3x a one-token step instead
             of 2x, so wider trees pay. Compiling takes tens of seconds once per target (reported in
-            `dscale_stats.compile_s` and the plan's `compile_s`); later calls reuse it. Default: off.
+            `dscale_stats.compile_s` and the plan's `compile_s`); later calls reuse it. Default: the plan's, compiled
+            on a GPU (eager where compiling fails, logged) and eager on a CPU, where a compile pays back only over
+            thousands of tokens.
         plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
             target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).

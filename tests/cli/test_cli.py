@@ -54,6 +54,8 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     # the verify path the run took (the conftest makes every width transposed wherever the probe allows it)
     assert report["verify_forward"] == "split-head"
     assert report["verify_head_transposed"] == list(range(1, block_size + 1))
+    assert report["compile_widths"] is None  # a CPU's default: eager, and the plan says why
+    assert any(r.startswith("eager verify: the default on a CPU") for r in report["plan"]["reasons"])
 
 
 @pytest.mark.parametrize("confidence", ["0", "0.5"])
@@ -345,6 +347,10 @@ def test_run_prints_tau_and_speedup(folders, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "identical to plain greedy: True" in out
     assert "a chain, sized for the most tokens expected per second" in out  # the CPU's throughput cut
+    code = main(["run", "--target", str(folders / "target"), "--drafter", str(folders / "drafter"),
+                 "--prompt", "t5 t6 t7", "--max-new-tokens", "8", "--no-compile"])
+    out = capsys.readouterr().out
+    assert code == 0 and "identical to plain greedy: True" in out and "compiling" not in out
 
 
 def test_train_dllm_then_bench_both_methods(tmp_path, capsys):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_dscale.engine import calibrate
+from hf_dscale.engine import plan as plan_module
 from hf_dscale.engine.compiled import StaticVerify
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.generation.masks import TargetAttention
@@ -91,3 +92,33 @@ def test_each_target_gets_its_own_compiled_weights():
         assert torch.equal(plain, spec), seed
         outputs.append(plain)
     assert not torch.equal(*outputs)  # the two targets do decode differently
+
+
+def test_compile_is_the_default_on_a_gpu_only_and_falls_back_to_eager_where_it_fails(monkeypatch, caplog):
+    """A call that does not say compiles where `compile_by_default` says so (a GPU); a compile that then fails decodes
+    eagerly and says why, while one the caller asked for raises."""
+    assert plan_module.compile_by_default(torch.device("cuda"))[0]
+    assert not plan_module.compile_by_default(torch.device("cpu"))[0]
+    target = tiny_target("llama")
+    ids, mask = _prompt(1, 10, 3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    drafter = _oracle(target, plain, mask, 0.2)
+    default = calibrate(target, drafter)  # this CPU: eager, with the reason
+    assert default.compile_widths is None and any(r.startswith("eager verify: the default") for r in default.reasons)
+
+    def broken(self, batch_size=1):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(plan_module, "compile_by_default", lambda device: (True, "compiled verify: the default"))
+    monkeypatch.setattr(StaticVerify, "measure", broken)
+    with caplog.at_level("WARNING", logger=plan_module.__name__):
+        fallen = calibrate(target, drafter)
+    assert fallen.compile_widths is None and fallen.verify_path != "compiled"
+    assert any("compiling failed (RuntimeError: no C++ compiler found)" in r for r in fallen.reasons)
+    assert "no C++ compiler found" in caplog.text and "eager verify" in caplog.text
+    assert fallen.verify_costs == default.verify_costs  # sized by the eager costs, as the default plan
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                           custom_generate=custom_generate, drafter=drafter, plan=fallen)
+    assert torch.equal(plain, spec)
+    with pytest.raises(RuntimeError, match="decode without compile=True"):
+        calibrate(target, drafter, compile=True)
