@@ -25,6 +25,9 @@ from ..generation.target_forward import apply_head, splittable
 from ..models.dscale import compat
 
 
+RECOMPILE_LIMIT = 256  # compiled shapes the verify keeps in one process (dynamo's own default: 8)
+
+
 class StaticVerify:
     """One target's forward at fixed shapes, compiled once per (batch, width).
 
@@ -61,8 +64,11 @@ class StaticVerify:
         return apply_head(self.target.get_output_embeddings(), hidden, False), taps
 
     def _run(self, *args):
-        # freezing (the weights as constants, prepacked) is an inductor setting, scoped to this call, not the process
-        with torch._inductor.config.patch(freezing=True):
+        # Scoped to this call, not the process: freezing (the weights as constants, prepacked), and room for every
+        # compiled shape. Each (target, batch, width) is one entry of `_forward`'s compile cache, which every
+        # StaticVerify shares; at dynamo's default limit of 8 the ninth would run eagerly, silently.
+        with torch._inductor.config.patch(freezing=True), \
+                torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
             return self.compiled(*args)
 
     def prefill(self, ids, positions, mask, cache):

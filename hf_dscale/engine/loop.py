@@ -232,15 +232,8 @@ class Engine:
         """The target's logits [B, N, V] after every node of every row's tree."""
         n = verify.ids.shape[1]
         if self.static is not None:  # padded to the compiled width with nodes that see themselves only
-            width = self.static.width(n)
-            allowed = verify.allowed if verify.allowed is not None else \
-                torch.ones(n, n, dtype=torch.bool, device=verify.ids.device).tril().expand(len(verify.trees), -1, -1)
-            pad = width - n
-            ids = torch.cat((verify.ids, verify.ids[:, :1].expand(-1, pad)), dim=1)
-            positions = torch.cat((verify.positions, verify.positions[:, :1].expand(-1, pad)), dim=1)
-            grown = torch.eye(width, dtype=torch.bool, device=ids.device).repeat(ids.shape[0], 1, 1)
-            grown[:, :n, :n] = allowed
-            mask = self.static_mask(grown, positions, self.valid.shape[1])
+            ids, positions, allowed = verify.padded(self.static.width(n))
+            mask = self.static_mask(allowed, positions, self.valid.shape[1])
             logits, taps = self.static(ids, positions, mask, self.cache)
             self._taps = taps[:, :n]
             return logits[:, :n]

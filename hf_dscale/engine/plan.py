@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..generation import target_forward
-from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence
+from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence, widest_cheap
 from .compiled import static_verify_for
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
@@ -167,8 +167,11 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     if compiled is not None:  # a compiled verify fuses its head in the graph: no split head
         compile_widths, costs, compile_s = compiled
         max_width = compile_widths[-1]
-        cut = DraftCut(costs=costs) if confidence == AUTO else \
-            DraftCut.for_target(target, confidence, max_width, batch_size, target_forward.TargetForward(target, None))
+        if confidence == AUTO:
+            cut = DraftCut(costs=costs)
+        else:  # a confidence cut's minimum from the compiled costs, by `min_drafts_for`'s rule
+            cheap = range(2, min(9, max_width + 1))
+            cut = DraftCut(confidence, widest_cheap(costs, cheap) - 1 if confidence > 0 and len(cheap) else None)
     else:
         if target_forward.splittable(target):
             faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),

@@ -119,17 +119,28 @@ class Verify:
     def of(cls, trees: list[TokenTree], anchor_pos: torch.Tensor) -> "Verify":
         """Pad the trees to a batch; a chain batch (every tree one path of the same length) needs no tree mask."""
         n = max(len(tree) for tree in trees)
-        device = anchor_pos.device
         chain = all(len(tree) == n and tree.depths == list(range(n)) for tree in trees)
-        ids = torch.tensor([tree.tokens + tree.tokens[:1] * (n - len(tree)) for tree in trees], device=device)
-        depths = torch.tensor([tree.depths + [0] * (n - len(tree)) for tree in trees], device=device)
-        allowed = None
-        if not chain:
-            allowed = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding nodes see themselves only
-            for b, tree in enumerate(trees):
-                allowed[b, : len(tree), : len(tree)] = tree.ancestor_mask()
-            allowed = allowed.to(device)
-        return cls(ids, anchor_pos[:, None] + depths, allowed, trees)
+        return cls(*_pad(trees, anchor_pos, n, mask=not chain), trees)
+
+    def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions [B, width], allowed [B, width, width]): the trees padded to `width` (a compiled verify's),
+        with the mask spelled out for chains too."""
+        return _pad(self.trees, self.positions[:, 0], width, mask=True)
+
+
+def _pad(trees: list[TokenTree], anchor_pos: torch.Tensor, n: int, mask: bool):
+    """(ids, positions, allowed or None) of `trees` padded to n nodes each: a padding node holds the anchor at the
+    anchor's position and sees itself only, so no path reaches it and it changes nothing."""
+    device = anchor_pos.device
+    ids = torch.tensor([tree.tokens + tree.tokens[:1] * (n - len(tree)) for tree in trees], device=device)
+    depths = torch.tensor([tree.depths + [0] * (n - len(tree)) for tree in trees], device=device)
+    allowed = None
+    if mask:
+        allowed = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)
+        for b, tree in enumerate(trees):
+            allowed[b, : len(tree), : len(tree)] = tree.ancestor_mask()
+        allowed = allowed.to(device)
+    return ids, anchor_pos[:, None] + depths, allowed
 
 
 @dataclass

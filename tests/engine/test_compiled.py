@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_dscale.engine import calibrate
 from hf_dscale.engine import plan as plan_module
 from hf_dscale.engine.compiled import StaticVerify
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.generation.masks import TargetAttention
-from hf_dscale.models.dscale import compat
+from hf_dscale.models.dscale import assistant, compat
 from hf_dscale.models.dscale.assistant import TapRecorder
 
 from ..conftest import tiny_target
@@ -59,7 +60,7 @@ def test_the_forwards_taps_equal_the_tap_hooks(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_compiled_verify_decodes_exactly_batched_and_reports_its_compile_time(kind):
+def test_compiled_verify_decodes_exactly_batched_and_reports_its_compile_time(kind, monkeypatch):
     """One compile per (batch, width) serves every generation: shapes do not depend on the cache's length."""
     target = tiny_target(kind)
     ids, mask = _prompt(2, 14, 1)
@@ -68,6 +69,10 @@ def test_compiled_verify_decodes_exactly_batched_and_reports_its_compile_time(ki
     plan = calibrate(target, drafter, batch_size=2, compile=True)
     assert plan.compile_widths == (drafter.config.block_size,) and plan.compile_s > 0
     assert plan.verify_path == "compiled" and plan.to_dict()["compile_widths"] == [drafter.config.block_size]
+    # a confidence cut's minimum comes from the compiled costs (flat up to the width), not from eager verifies
+    monkeypatch.setattr(assistant, "verify_costs", lambda *a, **k: pytest.fail("measured an eager verify"))
+    confident = calibrate(target, drafter, batch_size=2, compile=True, draft_confidence=0.3)
+    assert confident.compile_s == 0.0 and confident.min_drafts == min(8, drafter.config.block_size) - 1
     for new in (30, 41):  # a longer generation: a larger cache, no second compile
         plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
         drafter.oracle = _oracle(target, plain, mask, 0.3, 1).oracle
@@ -122,3 +127,19 @@ def test_compile_is_the_default_on_a_gpu_only_and_falls_back_to_eager_where_it_f
     assert torch.equal(plain, spec)
     with pytest.raises(RuntimeError, match="decode without compile=True"):
         calibrate(target, drafter, compile=True)
+
+
+def test_every_compiled_shape_stays_compiled_past_dynamos_default_limit():
+    """Every StaticVerify shares one compile cache (that of `_forward`); dynamo's recompile limit (8 by default, 1
+    here) must not turn a later batch size into a silent eager run."""
+    from torch._dynamo.utils import counters
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    torch.manual_seed(0)
+    static = StaticVerify(LlamaForCausalLM(config).eval(), [0], (2,))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        before = counters["stats"]["unique_graphs"]
+        for batch in (1, 2, 3):
+            static.measure(batch, context=4, repeats=1)
+        assert counters["stats"]["unique_graphs"] - before == 3

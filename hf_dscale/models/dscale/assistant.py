@@ -143,9 +143,13 @@ def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: 
                        clock=time.perf_counter, forward=None) -> int:
     """The widest of `widths` new tokens whose forward (through `forward`, as in `verify_costs`) costs at most
     `tolerance` x the cheapest of them."""
-    cost = verify_costs(target, widths, repeats, clock=clock, forward=forward)
-    cheapest = min(cost.values())
-    return max(w for w in widths if cost[w] <= tolerance * cheapest)
+    return widest_cheap(verify_costs(target, widths, repeats, clock=clock, forward=forward), widths, tolerance)
+
+
+def widest_cheap(costs: dict[int, float], widths, tolerance: float = 1.1) -> int:
+    """The widest of `widths` whose cost in `costs` is at most `tolerance` x the cheapest of them."""
+    cheapest = min(costs[w] for w in widths)
+    return max(w for w in widths if costs[w] <= tolerance * cheapest)
 
 
 def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1, forward=None) -> dict[int, float]:
