@@ -8,6 +8,7 @@ engine's default; the chain with a whole block, a confidence cut or the throughp
 with or without the prompt lookup; D²SD) and a drafter: a random one (rejections everywhere) or an oracle that
 follows plain decoding's output with a random error rate (long accepted runs, rejections at every depth). A stop
 string without an EOS token is the case where plain `generate()` lets a stopped row run on until every row stops.
+120 more cases decode with the verify compiled (`compile=True`), at batch 1 and 3, without D²SD.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from transformers import (
     StopStringCriteria,
 )
 
-from hf_dscale.generation import custom_generate
+from hf_dscale.generation import DecodeStats, custom_generate
 
 from ..conftest import MASK_ID, OracleDrafter, oracle_from, tiny_drafter, tiny_target
 
-CASES, CHUNK = 1000, 100
+CASES, CHUNK, COMPILED = 1000, 100, 120
 FAMILIES = ("llama", "qwen3", "gemma3")
 WAYS = ("default", "chain-whole", "chain-cut", "chain-auto", "tree", "tree-lookup", "d2sd")
 
@@ -73,7 +74,9 @@ def _prompt(lengths: list[int], seed: int):
     return ids, mask
 
 
-def _run(target, case) -> None:
+def _run(target, case, drafters=None) -> None:
+    """One case; `drafters` (family -> an `OracleDrafter`, reused so that its compiled verify is too): decode with
+    the verify compiled, the case's drafter being that one with its oracle set (error rate 1: a random drafter)."""
     target.generation_config.eos_token_id = case["eos"]
     ids, mask = _prompt(case["lengths"], case["seed"])
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=case["new"], do_sample=False)
@@ -88,7 +91,11 @@ def _run(target, case) -> None:
         plain = target.generate(**kw, stopping_criteria=criteria())
         kw["stopping_criteria"] = criteria()
     torch.manual_seed(case["seed"])
-    if case["error_rate"] is None:
+    if drafters is not None:
+        drafter = drafters[case["family"]]
+        drafter.oracle = oracle_from(plain, mask)
+        drafter.error_rate = 1.0 if case["error_rate"] is None else case["error_rate"]
+    elif case["error_rate"] is None:
         drafter = tiny_drafter(target, seed=case["seed"] % 7)
     else:
         drafter = tiny_drafter(target, cls=OracleDrafter)
@@ -99,11 +106,32 @@ def _run(target, case) -> None:
                "chain-auto": dict(draft_tree=False, draft_confidence="auto"), "tree": dict(draft_tree=True, num_branches=2),
                "tree-lookup": dict(draft_tree=True, prompt_lookup=True),
                "d2sd": dict(vp_drafter=tiny_drafter(target, seed=11), num_branches=2)}[way]
-    spec = target.generate(**kw, custom_generate=custom_generate, drafter=drafter, **options)
+    stats = DecodeStats()
+    spec = target.generate(**kw, custom_generate=custom_generate, drafter=drafter, dscale_stats=stats,
+                           **options, **({} if drafters is None else {"compile": True}))
     assert torch.equal(plain, spec), case
+    assert (stats.plan.verify_path == "compiled") == (drafters is not None)
 
 
 @pytest.mark.parametrize("chunk", range(CASES // CHUNK))
 def test_greedy_identity_fuzz(targets, chunk):
     for case in CASE_LIST[chunk * CHUNK : (chunk + 1) * CHUNK]:
         _run(targets[case["family"]], case)
+
+
+def _compiled_case(i: int) -> dict:
+    """A case for the compiled verify: one compile per (family, batch size), so two batch sizes, and the drafter's
+    taps alone (no D²SD: a second drafter's taps would be another compile)."""
+    case, rng = _case(random.Random(5000 + i)), random.Random(9000 + i)
+    batch = (1, 3)[i % 2]
+    lengths = [rng.randint(1, case["longest"]) for _ in range(batch - 1)] + [case["longest"]]
+    return dict(case, batch=batch, lengths=lengths, way="tree" if case["way"] == "d2sd" else case["way"])
+
+
+COMPILED_CASES = [_compiled_case(i) for i in range(COMPILED)]
+
+
+def test_greedy_identity_fuzz_compiled(targets):
+    drafters = {family: tiny_drafter(target, cls=OracleDrafter) for family, target in targets.items()}
+    for case in COMPILED_CASES:
+        _run(targets[case["family"]], case, drafters)

@@ -72,6 +72,18 @@ def test_sampling_with_a_cut_matches_target(setup, monkeypatch, cut):
         assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_with_the_verify_compiled_matches_target(setup, tree):
+    """The compiled verify (`compile=True`): a chain (speculative sampling's rule) and a tree (sample, then match)."""
+    target, drafter, prompt, exact = setup
+    stats = DecodeStats()
+    samples = _custom_samples(target, drafter, prompt, rows=1500, seed=5, compile=True, draft_tree=tree,
+                              dscale_stats=stats)
+    assert stats.plan.verify_path == "compiled" and stats.plan.tree == tree
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
 def test_custom_generate_check_catches_broken_rule(setup, monkeypatch):
     target, drafter, prompt, exact = setup
     monkeypatch.setattr(accept, "speculative_accept", _broken_recovered_from_p)
