@@ -1,4 +1,4 @@
-"""The verify forward compiled at the edge: fixed shapes, the target's weights frozen into the graph.
+"""The verify forward compiled at the edge: fixed shapes, and on a CPU the target's weights frozen into the graph.
 
 On a CPU an eager verify of 9 tokens costs about 1.8x a one-token step: MKL's small-M GEMMs repack the weights at
 every call and dozens of small ops run between them. Compiled by inductor with freezing (the weights become
@@ -10,12 +10,16 @@ longer generation does not compile again). Compiling takes tens of seconds per w
 `compile_s`, apart from decode time.
 
 The tapped layers' outputs (the drafter's context) come back as the forward's `hidden_states`, not through hooks,
-so the compiled graph does not depend on hooks the engine adds and removes.
+so the compiled graph does not depend on hooks the engine adds and removes. A frozen graph keeps the weights it
+froze: where they change between generations (a training loop), the verify compiles once more without freezing
+(`static_verify_for`).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import weakref
 
 import torch
@@ -36,7 +40,7 @@ class StaticVerify:
     only.
     """
 
-    def __init__(self, target: nn.Module, tap_ids: list[int], widths: tuple[int, ...]):
+    def __init__(self, target: nn.Module, tap_ids: list[int], widths: tuple[int, ...], freeze: bool | None = None):
         layers = target.config.get_text_config(decoder=True).num_hidden_layers
         if layers - 1 in tap_ids:
             raise ValueError(f"The drafter reads the target's last layer ({layers - 1}), whose output transformers "
@@ -46,8 +50,13 @@ class StaticVerify:
         self.split = splittable(target)  # run the base model and apply the head here (only where that is exact)
         self.module = target.base_model if self.split else target
         self.cache_name = next(iter(compat.cache_kwargs(self.module, None)))  # outside the graph: an lru_cache'd lookup
-        self.compiled = torch.compile(self._forward, dynamic=False)
+        self.compiled = torch.compile(_own_code(self._forward), dynamic=False)
         self.seen: set[tuple[int, int]] = set()  # (batch, width) already compiled
+        # Freezing makes the weights constants of the graph, which on a CPU lets inductor prepack them for MKL once
+        # (a 16-token verify of SmolLM2: 49 ms frozen, 61 ms not); a GPU's GEMMs gain nothing from it. A frozen graph
+        # keeps the weights it froze, so `fingerprint` tells when they have changed since.
+        self.freeze = next(target.parameters()).device.type == "cpu" if freeze is None else freeze
+        self.fingerprint = weights_fingerprint(target)
         self.compile_s = 0.0
 
     def width(self, n: int) -> int:
@@ -64,10 +73,9 @@ class StaticVerify:
         return apply_head(self.target.get_output_embeddings(), hidden, False), taps
 
     def _run(self, *args):
-        # Scoped to this call, not the process: freezing (the weights as constants, prepacked), and room for every
-        # compiled shape. Each (target, batch, width) is one entry of `_forward`'s compile cache, which every
-        # StaticVerify shares; at dynamo's default limit of 8 the ninth would run eagerly, silently.
-        with torch._inductor.config.patch(freezing=True), \
+        # Scoped to this call, not the process: freezing, and room for every compiled shape (each batch size and
+        # width is one graph; past dynamo's default limit of 8 the ninth would run eagerly, silently).
+        with torch._inductor.config.patch(freezing=self.freeze), \
                 torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
             return self.compiled(*args)
 
@@ -121,13 +129,37 @@ class StaticVerify:
         return median_seconds(jobs, repeats, clock, sync)
 
 
+def _own_code(method):
+    """`method` running a copy of its function's code. Dynamo keeps its compiled graphs on the code object and guards
+    `self` by type only: with a code object of its own, each StaticVerify's graphs (which hold the weights they
+    froze) serve that object alone and are freed with it, and a StaticVerify built after the weights changed never
+    runs an older one."""
+    function = method.__func__
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
+def weights_fingerprint(module: nn.Module) -> tuple:
+    """What changes when any parameter or buffer of `module` does: each tensor's storage and its version counter,
+    which every in-place write bumps (an optimizer step, `load_state_dict`, `.to()`)."""
+    return tuple((t.data_ptr(), t._version) for t in itertools.chain(module.parameters(), module.buffers()))
+
+
 def static_verify_for(target: nn.Module, drafter: nn.Module, tap_ids: list[int],
                       widths: tuple[int, ...]) -> StaticVerify:
     """The `StaticVerify` of `target` for these taps and widths, compiled once and kept on the drafter (held weakly by
-    target, as `plan_for` keeps plans), so that later `generate()` calls do not compile again."""
+    target, as `plan_for` keeps plans), so that later `generate()` calls do not compile again.
+
+    A frozen one holds the weights it was compiled with. Once the target's weights change (`weights_fingerprint`: a
+    training step between generations, `load_state_dict`), it is replaced by one that reads them at every call (not
+    frozen), compiled once more and kept from then on: weights that change once may change again, and each frozen
+    compile would keep another copy of them."""
     kept = drafter.__dict__.setdefault("_static_verifies", weakref.WeakKeyDictionary())
     known = kept.setdefault(target, {})
     key = (tuple(tap_ids), tuple(sorted(widths)))
     if key not in known:
         known[key] = StaticVerify(target, tap_ids, widths)
+    elif known[key].freeze and known[key].fingerprint != weights_fingerprint(target):
+        known[key] = StaticVerify(target, tap_ids, widths, freeze=False)
     return known[key]

@@ -143,3 +143,30 @@ def test_every_compiled_shape_stays_compiled_past_dynamos_default_limit():
         for batch in (1, 2, 3):
             static.measure(batch, context=4, repeats=1)
         assert counters["stats"]["unique_graphs"] - before == 3
+
+
+def test_a_target_changed_in_place_compiles_again():
+    """Freezing copies the weights into the graph: after a training step (or any in-place change to a parameter),
+    the next call must not decode with the old weights."""
+    target = tiny_target("llama", seed=4)
+    ids, mask = _prompt(1, 10, 5)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    drafter = _oracle(target, plain, mask, 0.2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, custom_generate=custom_generate,
+              drafter=drafter, compile=True)
+    assert torch.equal(target.generate(**kw), plain)
+    with torch.no_grad():
+        for p in target.model.layers[-1].parameters():
+            p.add_(torch.randn_like(p))  # what an optimizer step does: in place
+    changed = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    assert not torch.equal(changed, plain)
+    drafter.oracle = _oracle(target, changed, mask, 0.2).oracle
+    stats = DecodeStats()
+    assert torch.equal(target.generate(**kw, dscale_stats=stats), changed)
+    assert stats.compile_s > 0  # compiled again (reading the weights at every call), apart from decode time
+    with torch.no_grad():
+        target.lm_head.weight.mul_(-1.0)  # a second change: read as it is, no third compile
+    again = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    drafter.oracle = _oracle(target, again, mask, 0.2).oracle
+    stats = DecodeStats()
+    assert torch.equal(target.generate(**kw, dscale_stats=stats), again) and stats.compile_s == 0.0
