@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
+    from ..engine.plan import compile_by_default
     from ..evaluation import bench_speculative
     from ..training.data import render_prompt
 
@@ -53,7 +54,7 @@ def main(args) -> int:
         method, extra = "dscale-tree", dict(num_branches=args.num_branches, prompt_lookup=args.prompt_lookup)
     if args.compile is not None:
         extra["compile"] = args.compile
-    if args.compile:
+    if args.compile or (args.compile is None and compile_by_default(target.device)[0]):
         print("compiling the verify forward (once; tens of seconds on a CPU) ...", flush=True)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,
                                draft_confidence=args.draft_confidence, **extra)
