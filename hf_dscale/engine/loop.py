@@ -20,6 +20,9 @@
   only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
+The host waits for the device three times a cycle (once more per extra row): it reads the draft once for every row
+and path (`Draft.on_host`), the target's tokens once (`accept`) and each row's stopping criteria's answers once
+(`Rows.commit`); the anchors and the draft vocabularies' members are kept on the host.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Engine:
         # yet run through the target) and its position [B]; the taps [B, S, T, H] the drafters have not ingested yet
         # and their positions [B, S]; the draft vocabularies (`DraftVocab`) and each row's prompt lookup.
         self.valid = self.anchors = self.anchor_pos = self.taps = self.ctx_pos = None
+        self.anchor_ids: list[int] = []  # the anchors on the host, kept with the tensor so no stage reads it back
         self.holes = False  # whether some column is masked (padding or a rejected node): drafters then take `valid`
         self.vocab = self.vp_vocab = None
         self.lookups: list[PromptLookup | None] = [None] * rows.prompt.shape[0]
@@ -102,7 +106,8 @@ class Engine:
             logits = torch.cat([self.rows.processors_for(self.processors, b)(self.rows.sequence(b), logits[b : b + 1])
                                 for b in range(logits.shape[0])])
         first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
-        for b, token in enumerate(first.tolist()):
+        self.anchor_ids = first.tolist()
+        for b, token in enumerate(self.anchor_ids):
             self.rows.commit(b, [token], logits[b : b + 1], self.criteria)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
@@ -163,12 +168,13 @@ class Engine:
 
     def trees(self, draft: proposers.Draft) -> list[TokenTree]:
         """Each row's candidate paths as a token tree (a finished row: its anchor alone)."""
-        active, anchors = self.active, self.anchors.tolist()
+        active, anchors = self.active, self.anchor_ids
         overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
         plan, k = self.plan, self.plan.num_branches
         if not plan.tree:  # one length for every row, so the batch verifies as plain chains
             n = self.cut.length(draft.logits, active, overhead)
-            return [TokenTree.from_candidates(a, [draft.spine[b, :n].tolist()]) for b, a in enumerate(anchors)]
+            spines = draft.on_host(n)
+            return [TokenTree.from_candidates(a, [spines[b][0]]) for b, a in enumerate(anchors)]
         sized = plan.draft_confidence == AUTO and self.vp_drafter is None
         depth = draft.spine.shape[1] if sized else self.cut.length(draft.logits, active)
         vp = self.vp_branches(draft, depth) if self.vp_drafter is not None else None
@@ -253,7 +259,7 @@ class Engine:
         width = max(len(w.path) for w in walks if w is not None)
         index = torch.zeros(len(walks), width, dtype=torch.long)
         new_valid = torch.zeros(len(walks), width, dtype=torch.bool)
-        anchors, advance = self.anchors.tolist(), [0] * len(walks)
+        anchors, advance = list(self.anchor_ids), [0] * len(walks)
         for b, walk in enumerate(walks):
             if walk is None:
                 continue
@@ -266,7 +272,7 @@ class Engine:
                 self.lookups[b].extend(walk.tokens[:committed])
             for vocab in (self.vocab, self.vp_vocab):
                 if vocab is not None:
-                    vocab.add(torch.tensor(walk.tokens[:committed], device=device))
+                    vocab.add(walk.tokens[:committed])
             index[b, : len(walk.path)] = torch.tensor(walk.path)
             new_valid[b, : len(walk.path)] = True
             anchors[b], advance[b] = walk.tokens[-1], len(walk.path)
@@ -279,7 +285,7 @@ class Engine:
         taps = self.latest_taps()  # [B, N, T, H]
         self.taps = taps.gather(1, index[:, :, None, None].expand(-1, -1, *taps.shape[2:]))
         self.ctx_pos = self.anchor_pos[:, None] + torch.arange(width, device=device)
-        self.anchors = self.anchors.new_tensor(anchors)
+        self.anchors, self.anchor_ids = self.anchors.new_tensor(anchors), anchors
         self.anchor_pos = self.anchor_pos + torch.tensor(advance, device=device)
         self.stats.cycles += 1
         self.stats.verified.append(verify.ids.shape[1])

@@ -24,7 +24,7 @@ lossless.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,25 @@ class Draft:
     logits: torch.Tensor  # [B, K, V or |columns|] the drafter's logits (processed where the spine was sampled)
     columns: torch.Tensor | None = None  # [|columns|] token id of each logits column (a draft vocabulary), or None
     q_logits: torch.Tensor | None = None  # [B, K, V] the processed q the spine was drawn from (a sampled chain)
+    _read: dict = field(default_factory=dict, repr=False, compare=False)  # (depth, k) -> `on_host`'s answer
+
+    def on_host(self, depth: int, k: int = 0) -> list[tuple[list[int], list[float], list[float], list[tuple]]]:
+        """Per row: the spine's first `depth` drafts, their confidences c_1…c_d and chances c_1…c_i (products), and
+        (k > 0) the k best own options (`_own_options`: score, depth, token), read from the device for every row at
+        once: the draft stage's one host synchronisation, however many rows and paths use them."""
+        if (depth, k) not in self._read:
+            spine, confidences = self.spine[:, :depth], self.confidences[:, :depth].float()
+            parts = [spine, confidences, confidences.cumprod(1)]
+            if k:
+                parts += list(_options(self.logits[:, :depth], spine, confidences, k, self.columns))
+            flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
+            d, n = depth, (len(flat[0]) - 3 * depth) // 3 if flat else 0
+            self._read[(depth, k)] = [
+                ([int(t) for t in row[:d]], row[d : 2 * d], row[2 * d : 3 * d],
+                 [(v, int(i), int(t)) for v, i, t in zip(row[3 * d : 3 * d + n], row[3 * d + n : 3 * d + 2 * n],
+                                                         row[3 * d + 2 * n :])])
+                for row in flat]
+        return self._read[(depth, k)]
 
 
 @dataclass
@@ -52,22 +71,19 @@ class Path:
 
 def chain_paths(draft: Draft, row: int, depth: int) -> list[Path]:
     """The spine's first `depth` drafts, with their chances c_1…c_d."""
-    chances = draft.confidences[row, :depth].float().cumprod(0).tolist()
-    return [Path(draft.spine[row, :depth].tolist(), chances)]
+    spine, _, chances, _ = draft.on_host(depth)[row]
+    return [Path(spine, chances)]
 
 
 def own_tree_paths(draft: Draft, row: int, depth: int, k: int) -> list[Path]:
     """The spine and its k best runner-up swaps (`own_branches`), each continued with the spine's later drafts."""
-    logits, spine = draft.logits[row, :depth], draft.spine[row, :depth]
-    confidences = draft.confidences[row, :depth].float()
-    chance = confidences.tolist()
-    spine_list = spine.tolist()
-    paths = chain_paths(draft, row, depth)
-    for value, i, token in _own_options(logits, spine, confidences, k, draft.columns):
-        chances = paths[0].chances[:i] + [value]  # the spine's nodes above the swap, then the swapped node
+    spine, chance, reach, options = draft.on_host(depth, k)[row]
+    paths = [Path(spine, reach)]
+    for value, i, token in options:
+        chances = reach[:i] + [value]  # the spine's nodes above the swap, then the swapped node
         for d in range(i + 1, depth):
             chances.append(chances[-1] * chance[d])
-        paths.append(Path(spine_list[:i] + [token] + spine_list[i + 1 :], chances))
+        paths.append(Path(spine[:i] + [token] + spine[i + 1 :], chances))
     return paths
 
 
@@ -200,17 +216,25 @@ def own_branches(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.T
 
 def _own_options(logits, spine, confidences, k, columns=None) -> list[tuple[float, int, int]]:
     """`own_branches` with their scores: [(score, depth i, token)], best first."""
-    probs = logits.float().softmax(-1)  # [depth, C]
-    depth, width = probs.shape
+    values, at, tokens = _options(logits[None], spine[None], confidences[None], k, columns)
+    return list(zip(values[0].tolist(), at[0].tolist(), tokens[0].tolist()))
+
+
+def _options(logits, spine, confidences, k, columns=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k best own options of each row, on the device: (scores, depths, token ids), each [B, k'], best first.
+    logits [B, depth, V or |columns|], spine and confidences [B, depth]."""
+    probs = logits.float().softmax(-1)  # [B, depth, C]
+    _, depth, width = probs.shape
     if columns is None:
-        is_spine = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, spine[:, None].to(probs.device), True)
+        is_spine = torch.zeros_like(probs, dtype=torch.bool).scatter_(2, spine[..., None].to(probs.device), True)
     else:
-        is_spine = columns[None, :] == spine[:, None]
-    reach = torch.cat((confidences.new_ones(1), confidences[:-1].cumprod(0))).float()  # c_1…c_i for depth i
-    scores = (reach[:, None] * probs).masked_fill_(is_spine, -1.0).flatten()
-    values, picked = scores.topk(min(k, depth * (width - 1)))
+        is_spine = columns == spine[..., None]
+    confidences = confidences.float()
+    reach = torch.cat((confidences.new_ones(confidences.shape[0], 1), confidences[:, :-1].cumprod(1)), 1)  # c_1…c_i
+    scores = (reach[..., None] * probs).masked_fill_(is_spine, -1.0).flatten(1)
+    values, picked = scores.topk(min(k, depth * (width - 1)), dim=1)
     tokens = picked % width if columns is None else columns[picked % width]
-    return [(v, i, t) for v, i, t in zip(values.tolist(), (picked // width).tolist(), tokens.tolist())]
+    return values, picked // width, tokens
 
 
 def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor, k: int,

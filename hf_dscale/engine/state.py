@@ -86,11 +86,17 @@ class Rows:
     def commit(self, b: int, tokens: list[int], scores: torch.Tensor, stopping_criteria) -> int:
         """Append tokens to row b one by one until a stopping criterion fires; returns how many.
 
-        scores [len(tokens), V]: the target's (processed) logits each token was chosen from."""
+        scores [len(tokens), V]: the target's (processed) logits each token was chosen from. The criteria see each
+        prefix as plain `generate()` would, one token at a time; their answers are read back together, once."""
+        fired = [False] * len(tokens)
+        if self.stops[b] is None and stopping_criteria is not None and tokens:
+            row = self.sequence(b, tokens)
+            start = row.shape[1] - len(tokens)
+            fired = torch.cat([stopping_criteria(row[:, : start + j + 1], scores[j][None])[:1]
+                               for j in range(len(tokens))]).tolist()
         for j, token in enumerate(tokens):
             self.generated[b].append(token)
-            if self.stops[b] is None and stopping_criteria is not None and \
-                    bool(stopping_criteria(self.sequence(b), scores[j][None])[0]):
+            if self.stops[b] is None and fired[j]:
                 self.stops[b] = len(self.generated[b])
                 if self.pad_finished:
                     self.finished[b] = True

@@ -276,7 +276,7 @@ class DraftVocab:
     def __init__(self, head: nn.Linear, tokens: torch.Tensor, vocab_size: int):
         weight = head.weight
         self.vocab_size, self.size = vocab_size, 0
-        self.member = torch.zeros(vocab_size, dtype=torch.bool, device=weight.device)
+        self.known: set[int] = set()  # the ids in the set, on the host: adding tokens reads nothing from the device
         self._head = head
         self._ids = torch.empty(0, dtype=torch.long, device=weight.device)
         self._weight = weight.new_empty(0, weight.shape[1])
@@ -288,15 +288,17 @@ class DraftVocab:
         return self._ids[: self.size]
 
     @torch.no_grad()
-    def add(self, tokens: torch.Tensor) -> None:
-        """Let the drafter propose `tokens` (any shape; ids outside the vocabulary, such as -1 padding, are ignored)."""
-        tokens = tokens.reshape(-1).to(self.member.device)
-        tokens = tokens[(tokens >= 0) & (tokens < self.vocab_size)]
-        new = tokens[~self.member[tokens]].unique()
-        if not new.numel():
+    def add(self, tokens: torch.Tensor | list[int]) -> None:
+        """Let the drafter propose `tokens` (a tensor of any shape, read once, or a list of ids; ids outside the
+        vocabulary, such as -1 padding, are ignored)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1).tolist()
+        fresh = sorted({t for t in tokens if 0 <= t < self.vocab_size} - self.known)
+        if not fresh:
             return
-        self.member[new] = True
-        end = self.size + new.numel()
+        self.known.update(fresh)
+        new = torch.tensor(fresh, dtype=torch.long, device=self._ids.device)
+        end = self.size + len(fresh)
         if end > self._ids.numel():  # grow with room for the tokens a generation adds, copying rarely
             extra = end + 512 - self.size
 

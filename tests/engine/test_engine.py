@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hf_dscale.engine import Plan, calibrate, plan_for
 from hf_dscale.engine.proposers import Draft, Path, own_tree_paths, select_nodes
@@ -200,3 +201,46 @@ def test_bench_batched_measures_both_plans_before_timing(monkeypatch):
     report = evaluation.bench_batched(target, drafter, prompts, batch_size=2, max_new_tokens=6)
     assert report["identical"] and sorted(e for e in events if e != "timed") == [("plan", 1), ("plan", 2)]
     assert events.index("timed") > max(events.index(("plan", 1)), events.index(("plan", 2)))
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that make the host wait for the device: reading values back, and indexing by a bool mask
+    (its result's size depends on the values)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        masked = name in ("__getitem__", "__setitem__", "index_put_") and len(args) > 1 and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if isinstance(args[1], (tuple, list)) else (args[1],)))
+        self.count += name in self.READS or masked
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batch):
+    """The draft is read once for every row and path, the target's tokens once, and the stopping criteria's answers
+    once per row: no other stage waits for the device (a GPU would stall on each read)."""
+    from hf_dscale.engine import loop
+
+    target = tiny_target("llama", eos=5)
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.set_draft_vocab(list(range(3, 40)))  # its set grows with every committed token: on the host
+    ids, mask = _prompt(batch, 12, 3)
+    reads, cycle = _HostReads(), loop.Engine.cycle
+
+    def counted(engine):
+        with reads:
+            cycle(engine)
+
+    monkeypatch.setattr(loop.Engine, "cycle", counted)
+    stats = DecodeStats()
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                    custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+    assert stats.plan.tree and stats.plan.prompt_lookup and stats.cycles > 3
+    assert reads.count <= (2 + batch) * stats.cycles

@@ -21,14 +21,16 @@ def test_logits_are_the_heads_on_the_set_and_minus_inf_elsewhere():
     vocab.add(torch.tensor([[7, 7, 9], [-1, 3000, 11]]))  # repeats and ids outside the vocabulary are ignored
     assert sorted(vocab.ids.tolist()) == [3, 5, 7, 9, 11]
     vocab.add(torch.arange(100, 2100))  # past the spare room: the weights are copied into a larger buffer
-    assert vocab.size == 2005 and int(vocab.member.sum()) == 2005
+    vocab.add([11, 2100, 2999, 3000, -5])  # host ids: the same rules
+    assert vocab.size == 2007 and len(vocab.known) == 2007 and sorted(vocab.ids.tolist()) == sorted(vocab.known)
     hidden = torch.randn(2, 4, 16)
     full, part = head(hidden), vocab.logits(hidden)
-    inside = vocab.member
+    inside = torch.zeros(3000, dtype=torch.bool)
+    inside[vocab.ids] = True
     torch.testing.assert_close(part[..., inside], full[..., inside])
     assert bool(torch.isneginf(part[..., ~inside]).all())
     compact = vocab.compact_logits(hidden)  # the set's columns only, in the order of `ids`
-    assert compact.shape == (2, 4, 2005)
+    assert compact.shape == (2, 4, 2007)
     torch.testing.assert_close(compact, full[..., vocab.ids])
 
 
