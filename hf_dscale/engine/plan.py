@@ -234,12 +234,14 @@ def tap_ids(drafter: nn.Module, vp_drafter: nn.Module | None = None) -> list[int
 
 
 def plan_for(target: nn.Module, drafter: nn.Module, **options) -> Plan:
-    """`calibrate(target, drafter, **options)`, measured once per target and options and kept on the drafter (its
-    `_plans`, held weakly by target), so that repeated `generate()` calls do not measure again."""
+    """`calibrate(target, drafter, **options)`, measured once per target, device, dtype and options and kept on the
+    drafter (its `_plans`, held weakly by target), so that repeated `generate()` calls do not measure again, while a
+    target moved to another device or dtype is measured anew."""
     plans = drafter.__dict__.setdefault("_plans", weakref.WeakKeyDictionary())
     known = plans.setdefault(target, {})
-    key = tuple(sorted((name, id(value) if isinstance(value, nn.Module) else value)
-                       for name, value in options.items()))
+    weight = next(target.parameters())
+    key = (str(weight.device), weight.dtype, *sorted((name, id(value) if isinstance(value, nn.Module) else value)
+                                                     for name, value in options.items()))
     if key not in known:
         known[key] = calibrate(target, drafter, **options)
     return known[key]

@@ -50,6 +50,8 @@ def test_plan_for_measures_once_per_target_and_options(monkeypatch):
     other = tiny_target("qwen3")
     plan_for(other, drafter, batch_size=1)
     assert len(calls) == 3  # a plan belongs to its target
+    target.to(torch.bfloat16)
+    assert plan_for(target, drafter, batch_size=1) is not first and len(calls) == 4  # and to its dtype (and device)
 
 
 def test_a_given_plan_is_used_and_returned_and_excludes_method_options():
