@@ -20,9 +20,10 @@
   only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
-The host waits for the device three times a cycle (once more per extra row): it reads the draft once for every row
-and path (`Draft.on_host`), the target's tokens once (`accept`) and each row's stopping criteria's answers once
-(`Rows.commit`); the anchors and the draft vocabularies' members are kept on the host.
+The host waits for the device twice a cycle: it reads the draft once for every row and path (`Draft.on_host`) and
+the target's tokens once (`accept`). Length and EOS stops are answered on the host (`state.host_stop`); other
+stopping criteria are read once per row (`Rows.commit`). The anchors and the draft vocabularies' members are kept on
+the host.
 """
 
 from __future__ import annotations

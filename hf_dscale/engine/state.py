@@ -6,11 +6,27 @@ A cycle is draft (`proposers.Draft`) -> trees (one `TokenTree` per row; a chain 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from ..generation.tree import TokenTree
+
+
+def host_stop(criteria) -> tuple[int | None, frozenset[int]] | None:
+    """(max length, EOS ids) when every criterion in `criteria` is transformers' `MaxLengthCriteria` or
+    `EosTokenCriteria`, whose answers follow from a row's length and last token, so the host can give them without
+    reading the device; None for any other criterion (stop strings, a user's own), which is then called."""
+    limit, eos = None, set()
+    for criterion in criteria:
+        if type(criterion) is MaxLengthCriteria:
+            limit = criterion.max_length if limit is None else min(limit, criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        else:
+            return None
+    return limit, frozenset(eos)
 
 
 def lay_out(input_ids: torch.Tensor, generated, pad_token_id: int) -> torch.Tensor:
@@ -60,6 +76,7 @@ class Rows:
     finished: list[bool]  # the row needs no more tokens
     pad_finished: bool = True
     stops: list[int | None] | None = None  # without padding: each row's length when it first stopped
+    _host_stop: tuple = field(default=(None, None), repr=False)  # (criteria, `host_stop(criteria)`) last seen
 
     @classmethod
     def start(cls, prompt: torch.Tensor, pad_finished: bool = True) -> "Rows":
@@ -90,10 +107,18 @@ class Rows:
         prefix as plain `generate()` would, one token at a time; their answers are read back together, once."""
         fired = [False] * len(tokens)
         if self.stops[b] is None and stopping_criteria is not None and tokens:
-            row = self.sequence(b, tokens)
-            start = row.shape[1] - len(tokens)
-            fired = torch.cat([stopping_criteria(row[:, : start + j + 1], scores[j][None])[:1]
-                               for j in range(len(tokens))]).tolist()
+            if self._host_stop[0] is not stopping_criteria:
+                self._host_stop = stopping_criteria, host_stop(stopping_criteria)
+            start = self.prompt.shape[1] + len(self.generated[b])
+            on_host = self._host_stop[1]
+            if on_host is not None:  # length and EOS only: answered here, nothing read back
+                limit, eos = on_host
+                fired = [(limit is not None and start + j + 1 >= limit) or token in eos
+                         for j, token in enumerate(tokens)]
+            else:
+                row = self.sequence(b, tokens)
+                fired = torch.cat([stopping_criteria(row[:, : start + j + 1], scores[j][None])[:1]
+                                   for j in range(len(tokens))]).tolist()
         for j, token in enumerate(tokens):
             self.generated[b].append(token)
             if self.stops[b] is None and fired[j]:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_dscale.engine import Plan, calibrate, plan_for
 from hf_dscale.engine.proposers import Draft, Path, own_tree_paths, select_nodes
@@ -224,10 +225,19 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Never(StoppingCriteria):
+    """A criterion of the user's own: the engine cannot answer it on the host."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batch):
-    """The draft is read once for every row and path, the target's tokens once, and the stopping criteria's answers
-    once per row: no other stage waits for the device (a GPU would stall on each read)."""
+@pytest.mark.parametrize("own_criterion", [False, True])
+def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batch, own_criterion):
+    """The draft is read once for every row and path and the target's tokens once; length and EOS stops are answered
+    on the host, a criterion of the user's own is read once per row. No other stage waits for the device (a GPU would
+    stall on each read)."""
     from hf_dscale.engine import loop
 
     target = tiny_target("llama", eos=5)
@@ -242,7 +252,8 @@ def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batc
 
     monkeypatch.setattr(loop.Engine, "cycle", counted)
     stats = DecodeStats()
+    own = {"stopping_criteria": StoppingCriteriaList([_Never()])} if own_criterion else {}
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                    custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+                    custom_generate=custom_generate, drafter=drafter, dscale_stats=stats, **own)
     assert stats.plan.tree and stats.plan.prompt_lookup and stats.cycles > 3
-    assert reads.count <= (2 + batch) * stats.cycles
+    assert reads.count <= ((2 + batch) if own_criterion else 2) * stats.cycles
