@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..generation import target_forward
-from ..models.dscale.assistant import AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, resolve_draft_confidence, widest_cheap
+from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, min_drafts_from,
+                                       resolve_draft_confidence)
 from .compiled import static_verify_for
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")
@@ -169,9 +170,8 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         max_width = compile_widths[-1]
         if confidence == AUTO:
             cut = DraftCut(costs=costs)
-        else:  # a confidence cut's minimum from the compiled costs, by `min_drafts_for`'s rule
-            cheap = range(2, min(9, max_width + 1))
-            cut = DraftCut(confidence, widest_cheap(costs, cheap) - 1 if confidence > 0 and len(cheap) else None)
+        else:  # a confidence cut's minimum from the compiled costs, not from eager verifies
+            cut = DraftCut(confidence, min_drafts_from(costs) if confidence > 0 else None)
     else:
         if target_forward.splittable(target):
             faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),

@@ -51,8 +51,8 @@ class Draft:
             parts = [spine, confidences, confidences.cumprod(1)]
             if k:
                 parts += list(_options(self.logits[:, :depth], spine, confidences, k, self.columns))
+            d, n = depth, parts[-1].shape[1] if k else 0  # n options per row
             flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
-            d, n = depth, (len(flat[0]) - 3 * depth) // 3 if flat else 0
             self._read[(depth, k)] = [
                 ([int(t) for t in row[:d]], row[d : 2 * d], row[2 * d : 3 * d],
                  [(v, int(i), int(t)) for v, i, t in zip(row[3 * d : 3 * d + n], row[3 * d + n : 3 * d + 2 * n],

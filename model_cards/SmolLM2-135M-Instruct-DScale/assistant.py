@@ -139,7 +139,10 @@ def verify_costs(target: nn.Module, widths, repeats: int = 3, batch_size: int = 
     return median_seconds(jobs, repeats, clock, sync)
 
 
-def cheap_verify_width(target: nn.Module, widths: range = range(2, 9), repeats: int = 3, tolerance: float = 1.1,
+CHEAP_WIDTHS = range(2, 9)  # the verify widths (anchor included) a confidence cut's minimum is chosen among
+
+
+def cheap_verify_width(target: nn.Module, widths: range = CHEAP_WIDTHS, repeats: int = 3, tolerance: float = 1.1,
                        clock=time.perf_counter, forward=None) -> int:
     """The widest of `widths` new tokens whose forward (through `forward`, as in `verify_costs`) costs at most
     `tolerance` x the cheapest of them."""
@@ -150,6 +153,13 @@ def widest_cheap(costs: dict[int, float], widths, tolerance: float = 1.1) -> int
     """The widest of `widths` whose cost in `costs` is at most `tolerance` x the cheapest of them."""
     cheapest = min(costs[w] for w in widths)
     return max(w for w in widths if costs[w] <= tolerance * cheapest)
+
+
+def min_drafts_from(costs: dict[int, float]) -> int | None:
+    """`min_drafts_for`'s rule over costs already measured (a compiled verify's): one less than the widest cheap width
+    of `CHEAP_WIDTHS` that `costs` covers; None if it covers none."""
+    widths = [w for w in CHEAP_WIDTHS if w in costs]
+    return widest_cheap(costs, widths) - 1 if widths else None
 
 
 def verify_costs_for(target: nn.Module, max_width: int, batch_size: int = 1, forward=None) -> dict[int, float]:
