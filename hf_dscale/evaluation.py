@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +26,12 @@ class BenchResult:
     stats: DecodeStats = field(default_factory=DecodeStats)
     outputs: list[torch.Tensor] = field(default_factory=list)  # speculative sequences, per prompt
     per_prompt: list[dict] = field(default_factory=list)  # id, new_tokens, tau, forwards, identical
+    weights_read_s: float | None = None  # `weights_read_seconds` of the target: the floor of one forward
 
     def to_json(self) -> dict:
         cycles = max(1, self.stats.cycles)
+        cycle_ms = 1000 * (self.stats.draft_s + self.stats.verify_s + self.stats.other_s) / cycles
+        step_ms = 1000 * self.baseline_s / max(1, self.new_tokens)  # plain decoding: one forward per token
         verified = self.stats.verified
         verify_tokens = round(sum(verified) / len(verified), 2) if verified else None
         histogram: dict[int, int] = {}
@@ -49,12 +53,62 @@ class BenchResult:
                 "other": round(1000 * self.stats.other_s / cycles, 3),
             },
             "compile_s": round(self.stats.compile_total_s, 3),
+            "weights_read_ms": None if self.weights_read_s is None else round(1000 * self.weights_read_s, 3),
+            **_against_weights_read(self.weights_read_s, cycle_ms=cycle_ms, plain_step_ms=step_ms),
             "acceptance_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "per_prompt": self.per_prompt,
             **({"verify_tokens": verify_tokens} if verify_tokens else {}),
             **({"tree_tokens": verify_tokens} if verify_tokens and self.method != "dscale" else {}),
             **({"plan": self.stats.plan.to_dict()} if self.stats.plan is not None else {}),
         }
+
+
+@torch.no_grad()
+def weights_read_seconds(model: torch.nn.Module, repeats: int = 5, clock: Callable[[], float] = time.perf_counter,
+                         fused: bool | None = None) -> float:
+    """Median seconds to read every parameter and buffer of `model` once (a reduction over each): the floor of any
+    forward that uses all the weights. A one-token step of a small model on a GPU or a CPU is bound by that read; a
+    speculative cycle's time over it says how far a cycle (draft, verify of many tokens, bookkeeping) is from it.
+
+    `fused`: one multi-tensor reduction (`torch._foreach_norm`, one launch per group of tensors on a GPU) instead of
+    one per tensor, whose launches would outlast the reads of a small model on a GPU; None: on CUDA only (on a CPU
+    the per-tensor sums read faster)."""
+    from .models.dscale.assistant import median_seconds
+
+    tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers()) if t.numel()}
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}  # tied weights once; one group per dtype
+    for t in tensors.values():
+        groups.setdefault(t.dtype, []).append(t)
+    device = next(iter(tensors.values())).device
+    fused = device.type == "cuda" if fused is None else fused
+    floats = [g for dtype, g in groups.items() if dtype.is_floating_point]
+    others = [t for dtype, g in groups.items() if not dtype.is_floating_point for t in g]  # e.g. position ids
+
+    def read() -> None:
+        if fused:
+            for group in floats:
+                torch._foreach_norm(group, 1)
+        else:
+            for group in floats:
+                for t in group:
+                    t.sum()
+        for t in others:
+            t.sum()
+
+    read()  # the first read may allocate
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return median_seconds({"read": read}, repeats, clock, sync)["read"]
+
+
+def _against_weights_read(read_s: float | None, **ms: float) -> dict:
+    """Each of `ms` (milliseconds) and its ratio to the weights' read (`<name>_over_weights_read`), rounded; the ms
+    alone without a read."""
+    out = {}
+    for name, value in ms.items():
+        out[name] = round(value, 3)
+        if read_s is not None:
+            out[f"{name.removesuffix('_ms')}_over_weights_read"] = round(value / max(1000 * read_s, 1e-9), 3)
+    return out
 
 
 def _timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
@@ -106,6 +160,7 @@ def bench_speculative(
     warm = prompts[0][1]
     target.generate(warm, max_new_tokens=4, do_sample=False)
     target.generate(warm, max_new_tokens=4, do_sample=False, **spec_kw)
+    result.weights_read_s = weights_read_seconds(target)
     for i, (name, ids) in enumerate(prompts):
         plain, t_plain = _timed(lambda: target.generate(ids, **kw))
         stats = DecodeStats()
@@ -138,6 +193,7 @@ class Peer:
     name: str
     kwargs: dict
     dscale: bool = False
+    autoregressive: bool = False  # one target forward per token (plain decoding): its step is timed per token
 
 
 def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_confidence=None,
@@ -165,12 +221,13 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
 
     ours = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=draft_confidence)
     peers = [
-        Peer("generate", {}),
-        Peer("generate-static", {"cache_implementation": "static"}),
+        Peer("generate", {}, autoregressive=True),
+        Peer("generate-static", {"cache_implementation": "static"}, autoregressive=True),
         Peer("transformers-prompt-lookup", {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}),
     ]
     if compile:
-        peers.append(Peer("generate-compiled", {"cache_implementation": "static", **compile_everywhere()}))
+        peers.append(Peer("generate-compiled", {"cache_implementation": "static", **compile_everywhere()},
+                          autoregressive=True))
     if native_dflash_reads_layer_outputs():
         dflash = {"assistant_model": drafter, "speculation_type": "dflash"}
         peers += [Peer("transformers-dflash", dflash),
@@ -239,8 +296,10 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     calibrations). A transformers peer other than the first that raises (a combination the installed transformers
     refuses, or fails on: its DFlash with a static cache can overrun the cache) is left out from then on and its
     error kept in `refused`; hf_dscale's own peers never are. Returns {"peers": {name: tokens_per_s, seconds,
-    new_tokens, identical, mismatches, tau, warmup_s, peak_memory_bytes}, "speedup": {a: {b: tokens/s of a over
-    tokens/s of b}}, "refused": {name: error}, "per_prompt": [...]}.
+    new_tokens, identical, mismatches, tau, warmup_s, peak_memory_bytes, and for plain decoding `step_ms` (per
+    token: one forward), for hf_dscale's `cycle_ms` (draft, verify and bookkeeping), each with its ratio to
+    `weights_read_ms`}, "speedup": {a: {b: tokens/s of a over tokens/s of b}}, "refused": {name: error},
+    "weights_read_ms": the time to read the target's weights once (`weights_read_seconds`), "per_prompt": [...]}.
     """
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
     totals = {p.name: {"seconds": 0.0, "new_tokens": 0, "identical": True, "mismatches": [], "stats": DecodeStats(),
@@ -262,6 +321,7 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
         warm = run(peer, prompts[0][0], lambda: _timed(lambda: target.generate(prompts[0][1], **kw, **peer.kwargs)))
         if warm is not None:
             totals[peer.name]["warmup_s"] = warm[1]
+    read_s = weights_read_seconds(target)
     per_prompt = []
     for i, (name, ids) in enumerate(prompts):
         outputs, row = {}, {"id": name}
@@ -299,6 +359,11 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
     report = {}
     for peer in peers:
         total = totals[peer.name]
+        stats = total["stats"]
+        per_token_ms = 1000 * total["seconds"] / max(1, total["new_tokens"])
+        cycle_ms = 1000 * (stats.draft_s + stats.verify_s + stats.other_s) / max(1, stats.cycles)
+        against = (_against_weights_read(read_s, step_ms=per_token_ms) if peer.autoregressive else
+                   _against_weights_read(read_s, cycle_ms=cycle_ms) if peer.dscale else {})
         report[peer.name] = {
             "tokens_per_s": _significant(total["new_tokens"] / max(total["seconds"], 1e-9)),
             "seconds": round(total["seconds"], 6),
@@ -309,11 +374,13 @@ def bench_peers(target, peers: list[Peer], prompts: list[tuple[str, torch.Tensor
             "warmup_s": round(total["warmup_s"], 3),
             "compile_s": round(total["stats"].compile_total_s, 3) if peer.dscale else None,
             "peak_memory_bytes": total["peak"],
+            **against,
             **({"plan": total["stats"].plan.to_dict()} if peer.dscale and total["stats"].plan is not None else {}),
         }
     speedup = {a: {b: _significant(report[a]["tokens_per_s"] / max(report[b]["tokens_per_s"], 1e-9)) for b in report}
                for a in report}
-    return {"peers": report, "speedup": speedup, "refused": refused, "per_prompt": per_prompt}
+    return {"peers": report, "speedup": speedup, "refused": refused, "weights_read_ms": round(1000 * read_s, 3),
+            "per_prompt": per_prompt}
 
 
 def _batch(group: list[tuple[str, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,13 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
         assert key in report
     assert report["n_prompts"] == 2 and report["identical"] is True and report["tau"] >= 1.0
     assert set(report["stage_ms"]) == {"draft", "verify", "other"}
+    # a cycle and a plain step against the time to read the target's weights once
+    assert report["weights_read_ms"] > 0
+    assert report["cycle_ms"] == pytest.approx(sum(report["stage_ms"].values()), abs=0.01)
+    assert report["cycle_over_weights_read"] == pytest.approx(report["cycle_ms"] / report["weights_read_ms"], rel=1e-2)
+    assert report["plain_step_ms"] == pytest.approx(1000 / report["baseline_tokens_per_s"], rel=1e-2)
+    assert report["plain_step_over_weights_read"] == pytest.approx(
+        report["plain_step_ms"] / report["weights_read_ms"], rel=1e-2)
     assert report["command"].startswith("hf-dscale bench")
     assert [p["id"] for p in report["per_prompt"]] == [json.loads(line)["id"] for line in open(PROMPTS)][:2]
     assert all(p["identical"] and p["tau"] >= 1.0 for p in report["per_prompt"])
@@ -113,6 +120,15 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
         assert peer["tokens_per_s"] == pytest.approx(peer["new_tokens"] / peer["seconds"], rel=1e-3)
         assert (peer["tau"] is not None) == name.startswith(("dscale", "d2sd"))
         assert peer["peak_memory_bytes"] is None or peer["peak_memory_bytes"] > 0
+        # plain decoding's step (one forward a token) and hf_dscale's cycle, each against one read of the weights
+        timed = "cycle" if name.startswith(("dscale", "d2sd")) else "step" if name.startswith("generate") else None
+        assert {k for k in peer if k.endswith("_ms")} == ({f"{timed}_ms"} if timed else set())
+        if timed:
+            assert peer[f"{timed}_over_weights_read"] == pytest.approx(peer[f"{timed}_ms"] / report["weights_read_ms"],
+                                                                        rel=1e-2)
+        if timed == "step":
+            assert peer["step_ms"] == pytest.approx(1000 * peer["seconds"] / peer["new_tokens"], rel=1e-2)
+    assert report["weights_read_ms"] > 0
     for a in names:
         for b in names:
             ratio = report["peers"][a]["tokens_per_s"] / report["peers"][b]["tokens_per_s"]
@@ -413,3 +429,36 @@ def test_train_dllm_init_from_continues_a_trained_model(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     assert len(AutoTokenizer.from_pretrained(third)) == grown.config.vocab_size
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_weights_read_reads_every_weight_once_per_repeat(fused):
+    """The floor a bench sets cycles against: each parameter and buffer reduced once per repeat (tied weights
+    once), per tensor or in one multi-tensor reduction (a GPU's default); the median of the repeats' seconds."""
+    from torch.overrides import TorchFunctionMode
+
+    from hf_dscale.evaluation import weights_read_seconds
+
+    target = tiny_target("llama")
+    target.config.tie_word_embeddings = True
+    target.tie_weights()
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    expected = {t.data_ptr() for t in [*target.parameters(), *target.buffers()]}
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.tensors = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "sum":
+                self.tensors.append(args[0].data_ptr())
+            elif func is torch._foreach_norm:
+                self.tensors += [t.data_ptr() for t in args[0]]
+            return func(*args, **(kwargs or {}))
+
+    ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # repeats of 3 s, 1 s and 2 s: the median is 2 s
+    with Reads() as reads:
+        seconds = weights_read_seconds(target, repeats=3, clock=lambda: next(ticks), fused=fused)
+    assert seconds == 2.0
+    assert sorted(reads.tensors) == sorted(list(expected) * 4)  # a first read, then one per repeat
