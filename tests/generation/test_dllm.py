@@ -178,12 +178,14 @@ def test_block_forward_on_a_fresh_cache_equals_full_forward(shift):
 def ragged_block_equals_rows_alone(dlm: DiffusionModel, vocab: int, length: int = 20) -> None:
     """A block call of windows of 6 and 3 positions (the second padded) gives each row the logits and the cache
     entries of that row's call alone: the packed queries attend to their own cache row only."""
+    device = next(dlm.model.parameters()).device
     gen = torch.Generator().manual_seed(5)
     before = torch.randint(3, vocab, (2, length), generator=gen)
     after = before.clone()
     after[:, 8:14] = torch.randint(3, vocab, (2, 6), generator=gen)  # the windows change after the full forward
     targets = torch.tensor([[8, 9, 10, 11, 12, 13], [11, 12, 13, 13, 13, 13]])
     write = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
+    before, after, targets, write = (t.to(device) for t in (before, after, targets, write))
     batched = dlm.new_cache()
     dlm.full(before, batched)
     logits = dlm.block(after, targets, write, batched)
