@@ -77,6 +77,6 @@ def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Rows, processors,
                 logits[b, k] = apply(rows.sequence(b, drafts[b, :k]), logits[b, k][None])[0]
     num_accepted, output_ids = speculative_accept(drafts, q_logits.softmax(-1), logits.softmax(-1))
     walks = []
-    for b, (n, output) in enumerate(zip(num_accepted.tolist(), output_ids.tolist())):
+    for b, (n, *output) in enumerate(torch.cat((num_accepted[:, None], output_ids), 1).tolist()):  # one read
         walks.append(Walk(output[: n + 1], list(range(n + 1)), logits[b, : n + 1]) if active[b] else None)
     return walks

@@ -173,11 +173,15 @@ class Engine:
         overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
         plan, k = self.plan, self.plan.num_branches
         if not plan.tree:  # one length for every row, so the batch verifies as plain chains
-            n = self.cut.length(draft.logits, active, overhead)
-            spines = draft.on_host(n)
-            return [TokenTree.from_candidates(a, [spines[b][0]]) for b, a in enumerate(anchors)]
+            k = draft.spine.shape[1]
+            rows = draft.on_host(k)  # the one read: every row's spine and chances, which the cut reads too
+            n = self.cut.length_of([row[2] for row, on in zip(rows, active) if on], k, overhead)
+            return [TokenTree.from_candidates(a, [rows[b][0][:n]]) for b, a in enumerate(anchors)]
         sized = plan.draft_confidence == AUTO and self.vp_drafter is None
-        depth = draft.spine.shape[1] if sized else self.cut.length(draft.logits, active)
+        depth = draft.spine.shape[1]
+        if not sized:  # a confidence cut: from the chances in the draft's read (D²SD's boundaries read it too)
+            read = draft.on_host(depth)
+            depth = self.cut.length_of([row[2] for row, on in zip(read, active) if on], depth)
         vp = self.vp_branches(draft, depth) if self.vp_drafter is not None else None
         trees = []
         for b, anchor in enumerate(anchors):
@@ -188,28 +192,33 @@ class Engine:
             if vp is None:
                 paths = proposers.own_tree_paths(draft, b, depth, k) + extra
             else:
-                paths = proposers.vp_paths(draft, b, depth, vp[0][b], vp[1][b], k, plan.branch_policy, vp[2]) + extra
+                spine, confidences, _, _ = read[b]
+                paths = proposers.vp_paths(spine, confidences, depth, vp[0][b], vp[1][b], k, plan.branch_policy)
+                paths += extra
             chosen = proposers.select_nodes(paths, plan.verify_costs if sized else None, overhead)
             trees.append(TokenTree.from_candidates(anchor, chosen))
         return trees
 
     def vp_branches(self, draft: proposers.Draft, depth: int):
         """D²SD: the VP drafter re-drafts every row from its `m` likeliest rejection boundaries in one batched pass.
-        Returns (prefixes per row, vp logits [B, m, K, V or |columns|], columns)."""
-        b = draft.spine.shape[0]
-        prefixes = [proposers.top_prefixes(draft.confidences[i, :depth], self.plan.num_branches) for i in range(b)]
+        Returns (prefixes per row, each row's `vp_options` on the host: the VP stage's one read)."""
+        b, k = draft.spine.shape
+        read = draft.on_host(k)  # the boundaries come from the confidences of the draft's one read
+        prefixes = [proposers.top_prefixes(read[i][1][:depth], self.plan.num_branches) for i in range(b)]
         m, gamma = len(prefixes[0]), self.drafter.config.block_size
-        rows = draft.spine.new_full((b, m, gamma), self.vp_drafter.config.mask_token_id)
-        rows[:, :, 0] = self.anchors[:, None]
-        for i in range(b):
-            for j, p in enumerate(prefixes[i]):
-                rows[i, j, 1 : p + 1] = draft.spine[i, :p]
+        kept = torch.arange(1, gamma, device=draft.spine.device) <= torch.tensor(prefixes, device=draft.spine.device
+                                                                                  )[..., None]  # [B, m, γ-1]
+        rows = torch.cat((self.anchors[:, None, None].expand(b, m, 1),
+                          torch.where(kept, draft.spine[:, None, : gamma - 1], self.vp_drafter.config.mask_token_id)),
+                         dim=2)  # [anchor, t_1..t_i, mask, ...]
         columns = None if self.vp_vocab is None else self.vp_vocab.ids
         vp_logits = self.vp_drafter.block_logits(rows.view(b * m, gamma), self.anchor_pos.repeat_interleave(m),
                                                  self.taps[:, :, self.vp_tap_index], self.ctx_pos, self.vp_cache,
                                                  self.valid if self.holes else None, self.vp_vocab,
-                                                 compact=columns is not None).float()
-        return prefixes, vp_logits.view(b, m, *vp_logits.shape[1:]), columns
+                                                 compact=columns is not None)
+        options = proposers.vp_options(vp_logits.view(b, m, *vp_logits.shape[1:]), prefixes, draft.spine,
+                                       self.plan.num_branches, columns)
+        return prefixes, proposers.options_on_host(options)
 
     def latest_taps(self) -> torch.Tensor:
         """The tapped layers' outputs [B, N, T, H] for the N positions of the latest target forward."""

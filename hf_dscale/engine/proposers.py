@@ -24,6 +24,7 @@ lossless.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -95,29 +96,25 @@ def lookup_paths(lookup: PromptLookup | None, depth: int) -> tuple[list[Path], t
     return ([Path(proposal, lookup.chances(n, len(proposal)))] if proposal else []), (proposal, n)
 
 
-def vp_paths(draft: Draft, row: int, depth: int, prefixes: list[int], vp_logits: torch.Tensor, k: int,
-             policy: str, columns: torch.Tensor | None) -> list[Path]:
-    """D²SD: the spine and the VP drafter's branches at the boundaries `prefixes` (`top_prefixes`).
+def vp_paths(spine: list[int], confidences: list[float], depth: int, prefixes: list[int], options: tuple, k: int,
+             policy: str) -> list[Path]:
+    """D²SD: the spine and the VP drafter's branches at the boundaries `prefixes` (`top_prefixes`), for one row.
 
-    vp_logits [len(prefixes), K, V or |columns|]: the VP drafter's logits for the rows `[anchor, t_1..t_i, mask...]`.
+    spine and confidences: the row's drafts and c_1.. on the host (`Draft.on_host`); options: the row's
+    `vp_options` read back (values [m][k'], tokens [m][k'], rest [m], fills [m][K]).
     """
-    spine, confidences = draft.spine[row, :depth], draft.confidences[row, :depth].float()
-    spine_list = spine.tolist()
-
-    def tokens(picked: torch.Tensor) -> list[int]:
-        return (picked if columns is None else columns[picked]).tolist()
-
-    paths = [Path(spine_list)]
+    values, tokens, rest, fills = options
+    paths = [Path(spine[:depth])]
     if policy == "ranked":
-        scores = boundary_scores(confidences)
-        for j, i, token in ranked_branches(vp_logits, prefixes, spine, scores, k, columns):
-            paths.append(Path(spine_list[:i] + [token] + tokens(vp_logits[j, i + 1 : depth].argmax(-1))))
+        scores = _boundary_scores(confidences[:depth])
+        for j, i, token in _ranked(values, tokens, rest, prefixes, scores, k):
+            paths.append(Path(spine[:i] + [token] + fills[j][i + 1 : depth]))
         return paths
     for j, i in enumerate(prefixes):
-        fill = tokens(vp_logits[j, i:depth].argmax(-1))
-        if policy == "distinct" and fill[0] == spine_list[i]:
-            fill[0] = tokens(vp_logits[j, i].topk(2).indices[1:])[0]
-        paths.append(Path(spine_list[:i] + fill))
+        fill = fills[j][i:depth]
+        if policy == "distinct" and fill[0] == spine[i]:
+            fill[0] = tokens[j][0]  # its likeliest token other than the spine's
+        paths.append(Path(spine[:i] + fill))
     return paths
 
 
@@ -161,11 +158,21 @@ def boundary_scores(confidences: torch.Tensor) -> torch.Tensor:
     return kept * (1 - confidences)
 
 
-def top_prefixes(confidences: torch.Tensor, k: int) -> list[int]:
-    """The k most likely rejection boundaries (prefix lengths i), ascending."""
-    scores = boundary_scores(confidences.float())
-    k = min(k, scores.numel())
-    return sorted(scores.topk(k).indices.tolist())
+def top_prefixes(confidences: torch.Tensor | list[float], k: int) -> list[int]:
+    """The k most likely rejection boundaries (prefix lengths i), ascending; of boundaries as likely, the deeper
+    (its branches are shorter)."""
+    values = confidences.float().tolist() if isinstance(confidences, torch.Tensor) else list(confidences)
+    scores = _boundary_scores(values)
+    return sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], -i))[: min(k, len(scores))])
+
+
+def _boundary_scores(confidences: list[float]) -> list[float]:
+    """`boundary_scores` on the host."""
+    scores, kept = [], 1.0
+    for c in confidences:
+        scores.append(kept * (1 - c))
+        kept *= c
+    return scores
 
 
 def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.Tensor, scores: torch.Tensor,
@@ -177,24 +184,61 @@ def ranked_branches(vp_logits: torch.Tensor, prefixes: list[int], spine: torch.T
     q(a) / (1 - q(spine token)). Several branches may leave at one boundary; each continues with the
     VP drafter's argmax after its first token.
 
-    `columns` gives the token id of each column of compact logits (`DraftVocab.ids`); None = the columns are the
-    vocabulary. A spine token outside those columns has q = 0 there.
+    vp_logits [m, K, V or |columns|]; `columns` gives the token id of each column of compact logits
+    (`DraftVocab.ids`); None = the columns are the vocabulary. A spine token outside those columns has q = 0 there.
 
     Example: r = [0.8, 0.1], VP beliefs at boundary 0 beyond the spine's token 0.5, 0.3, at boundary
     1 0.9 -> scores 0.4, 0.24, 0.09: two branches at the root before one at depth 1.
     """
-    options = []
-    for j, i in enumerate(prefixes):
-        q = vp_logits[j, i].float().softmax(-1)
-        token = int(spine[i])
-        spine_column = token if columns is None else _column_of(columns, token)
-        rest = 1.0
-        if spine_column is not None:
-            rest = (1 - q[spine_column]).clamp_min(1e-6)
-            q[spine_column] = 0
-        values, picked = q.topk(min(k, q.numel()))
-        tokens = picked if columns is None else columns[picked]
-        options += [(float(scores[i] * v / rest), j, i, int(t)) for v, t in zip(values, tokens)]
+    values, tokens, rest, _ = vp_options(vp_logits[None], [prefixes], spine[None], k, columns)
+    return _ranked(values[0].tolist(), tokens[0].tolist(), rest[0].tolist(), prefixes, scores.tolist(), k)
+
+
+def vp_options(vp_logits: torch.Tensor, prefixes: list[list[int]], spine: torch.Tensor, k: int,
+               columns: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """What the VP drafter offers at each row's boundaries, on the device, for one read: vp_logits [B, m, K, C] (row
+    j of b re-drafted from boundary prefixes[b][j]), spine [B, K] token ids. Returns its k' best first tokens other
+    than the spine's at each boundary and their probabilities (tokens, values [B, m, k']), 1 - its probability of
+    the spine's token there (rest [B, m], at least 1e-6) and its argmax token at every position (fills [B, m, K])."""
+    b, m, _, width = vp_logits.shape
+    at = torch.tensor(prefixes, device=vp_logits.device)  # [B, m]
+    q = vp_logits.gather(2, at[:, :, None, None].expand(b, m, 1, width))[:, :, 0].float().softmax(-1)  # [B, m, C]
+    spine_tokens = spine.gather(1, at)  # [B, m]
+    if columns is None:
+        is_spine = torch.zeros_like(q, dtype=torch.bool).scatter_(2, spine_tokens[..., None], True)
+    else:
+        is_spine = columns == spine_tokens[..., None]  # all False where the spine's token is not a column
+    rest = (1 - (q * is_spine).sum(-1)).clamp_min(1e-6)
+    values, picked = q.masked_fill(is_spine, 0.0).topk(min(k, width), dim=-1)
+    fills = vp_logits.argmax(-1)
+    if columns is not None:
+        picked, fills = columns[picked], columns[fills]
+    return values, picked, rest, fills
+
+
+def options_on_host(options: tuple[torch.Tensor, ...]) -> list[tuple]:
+    """`vp_options` read back in one transfer, per row: (values [m][k'], tokens [m][k'], rest [m], fills [m][K]) as
+    lists."""
+    values, tokens, rest, fills = options
+    b, m = rest.shape
+    flat = torch.cat([t.double().reshape(b, -1) for t in options], 1).tolist()  # ids and float32 values are exact
+    k, width = values.shape[2], fills.shape[2]
+    out = []
+    for row in flat:
+        ends = list(itertools.accumulate((m * k, m * k, m, m * width)))
+        v, t, r, f = row[: ends[0]], row[ends[0] : ends[1]], row[ends[1] : ends[2]], row[ends[2] :]
+        out.append(([v[j * k : (j + 1) * k] for j in range(m)],
+                    [[int(x) for x in t[j * k : (j + 1) * k]] for j in range(m)],
+                    r,
+                    [[int(x) for x in f[j * width : (j + 1) * width]] for j in range(m)]))
+    return out
+
+
+def _ranked(values: list[list[float]], tokens: list[list[int]], rest: list[float], prefixes: list[int],
+            scores: list[float], k: int) -> list[tuple[int, int, int]]:
+    """`ranked_branches` on the host, from one row's `vp_options` and boundary scores r(i)."""
+    options = [(scores[i] * v / rest[j], j, i, t) for j, i in enumerate(prefixes)
+               for v, t in zip(values[j], tokens[j])]
     options.sort(key=lambda option: -option[0])
     return [(j, i, t) for _, j, i, t in options[:k]]
 
@@ -251,8 +295,3 @@ def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torc
     draft = Draft(spine[None], confidences[None], logits[None], columns)
     paths = own_tree_paths(draft, 0, depth, k) + [Path(list(p), list(c)) for p, c in extra]
     return select_nodes([Path(p.tokens[:depth], p.chances[:depth]) for p in paths], costs, overhead)
-
-
-def _column_of(columns: torch.Tensor, token: int) -> int | None:
-    hit = (columns == token).nonzero()
-    return int(hit[0, 0]) if hit.numel() else None

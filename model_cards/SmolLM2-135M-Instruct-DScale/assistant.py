@@ -206,9 +206,14 @@ def draft_length(q_logits: torch.Tensor, threshold: float, active: list[bool] | 
     k = q_logits.shape[1]
     if threshold <= 0:
         return k
-    confident = _cumulative_confidence(q_logits, active) >= threshold  # [B, K]
-    lengths = confident.int().cumprod(-1).sum(-1)  # the run is a prefix, so this is its length
-    longest = int(lengths.max()) if lengths.numel() else k
+    return confidence_cut(chances_of(q_logits, active), k, threshold, minimum)
+
+
+def confidence_cut(chances: list[list[float]], k: int, threshold: float, minimum: int | None = None) -> int:
+    """`draft_length` from each active row's chances c_1, c_1 c_2, ... (host lists, as `chances_of` reads them)."""
+    if threshold <= 0:
+        return k
+    longest = max((next((i for i, c in enumerate(row) if c < threshold), len(row)) for row in chances), default=k)
     if minimum is None:
         minimum = FALLBACK_MIN_DRAFTS
     return min(k, max(minimum, 1, longest))
@@ -226,22 +231,25 @@ def throughput_length(q_logits: torch.Tensor, costs: dict[int, float], overhead:
     Example: confidences [0.9, 0.8, 0.5], costs {2: 40, 3: 42, 4: 54} (ms), overhead 10 -> 1.9/50, 2.62/52,
     2.98/64 -> 2 drafts (the third would add 0.36 tokens for 12 more ms).
     """
-    k = q_logits.shape[1]
-    confidence = _cumulative_confidence(q_logits, active)  # [B, K]
-    if confidence.shape[0] == 0:
+    return throughput_cut(chances_of(q_logits, active), q_logits.shape[1], costs, overhead)
+
+
+def throughput_cut(chances: list[list[float]], k: int, costs: dict[int, float], overhead: float = 0.0) -> int:
+    """`throughput_length` from each active row's chances c_1, c_1 c_2, ... (host lists, as `chances_of` reads
+    them); k drafts at most."""
+    if not chances:
         return k
-    expected = confidence.shape[0] + confidence.sum(0).cumsum(0)  # [K]: tokens expected with 1..K drafts
-    seconds = torch.tensor([overhead + costs[n + 1] for n in range(1, k + 1)], dtype=expected.dtype,
-                           device=expected.device)
-    return int((expected / seconds).argmax()) + 1
+    expected = [float(len(chances))]  # tokens expected with 0 drafts: one per row
+    for n in range(k):
+        expected.append(expected[-1] + sum(row[n] for row in chances))
+    return max(range(1, k + 1), key=lambda n: (expected[n] / (overhead + costs[n + 1]), -n))
 
 
-def _cumulative_confidence(q_logits: torch.Tensor, active: list[bool] | None) -> torch.Tensor:
-    """c_1, c_1 c_2, ... per row [B', K] for the active rows."""
-    confidence = q_logits.float().softmax(-1).amax(-1).cumprod(-1)
-    if active is not None:
-        confidence = confidence[torch.tensor(active, device=confidence.device)]
-    return confidence
+def chances_of(q_logits: torch.Tensor, active: list[bool] | None = None) -> list[list[float]]:
+    """c_1, c_1 c_2, ... (c_k: the top probability of q_k) of each active row of q_logits [B, K, V], read back in
+    one transfer."""
+    rows = q_logits.float().softmax(-1).amax(-1).cumprod(-1).tolist()
+    return rows if active is None else [row for row, on in zip(rows, active) if on]
 
 
 @dataclass
@@ -266,9 +274,16 @@ class DraftCut:
         return cls(draft_confidence, cut_minimum(target, draft_confidence, forward))
 
     def length(self, q_logits: torch.Tensor, active: list[bool] | None = None, overhead: float = 0.0) -> int:
+        if self.costs is None and self.threshold <= 0:
+            return q_logits.shape[1]  # the whole block: nothing to read
+        return self.length_of(chances_of(q_logits, active), q_logits.shape[1], overhead)
+
+    def length_of(self, chances: list[list[float]], k: int, overhead: float = 0.0) -> int:
+        """`length` from the active rows' chances on the host (`chances_of`, or a draft's `on_host` read); k: the
+        drafts of a block."""
         if self.costs is not None:
-            return throughput_length(q_logits, self.costs, overhead, active)
-        return draft_length(q_logits, self.threshold, active, self.minimum)
+            return throughput_cut(chances, k, self.costs, overhead)
+        return confidence_cut(chances, k, self.threshold, self.minimum)
 
 
 class DScaleCandidateGenerator(CandidateGenerator):
