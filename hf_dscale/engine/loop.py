@@ -179,8 +179,8 @@ class Engine:
             return [TokenTree.from_candidates(a, [rows[b][0][:n]]) for b, a in enumerate(anchors)]
         sized = plan.draft_confidence == AUTO and self.vp_drafter is None
         depth = draft.spine.shape[1]
-        if not sized:  # a confidence cut: from the chances in the draft's read (D²SD's boundaries read it too)
-            read = draft.on_host(depth)
+        if not sized:  # a confidence cut, from the chances of the draft's one read (the paths read it too)
+            read = draft.on_host(depth, 0 if self.vp_drafter is not None else k)
             depth = self.cut.length_of([row[2] for row, on in zip(read, active) if on], depth)
         vp = self.vp_branches(draft, depth) if self.vp_drafter is not None else None
         trees = []

@@ -41,25 +41,30 @@ class Draft:
     logits: torch.Tensor  # [B, K, V or |columns|] the drafter's logits (processed where the spine was sampled)
     columns: torch.Tensor | None = None  # [|columns|] token id of each logits column (a draft vocabulary), or None
     q_logits: torch.Tensor | None = None  # [B, K, V] the processed q the spine was drawn from (a sampled chain)
-    _read: dict = field(default_factory=dict, repr=False, compare=False)  # (depth, k) -> `on_host`'s answer
+    _read: dict = field(default_factory=dict, repr=False, compare=False)  # k -> every row's read, all K positions
 
     def on_host(self, depth: int, k: int = 0) -> list[tuple[list[int], list[float], list[float], list[tuple]]]:
         """Per row: the spine's first `depth` drafts, their confidences c_1…c_d and chances c_1…c_i (products), and
-        (k > 0) the k best own options (`_own_options`: score, depth, token), read from the device for every row at
-        once: the draft stage's one host synchronisation, however many rows and paths use them."""
-        if (depth, k) not in self._read:
-            spine, confidences = self.spine[:, :depth], self.confidences[:, :depth].float()
+        (k > 0) the k best own options above `depth` (`_own_options`: score, depth, token; best first). Read from the
+        device for every row, every depth and path at once (each position's k best options come along, so any depth
+        finds its k best among them): the draft stage's one host synchronisation."""
+        if k not in self._read:
+            spine, confidences = self.spine, self.confidences.float()
+            b, d = spine.shape
             parts = [spine, confidences, confidences.cumprod(1)]
             if k:
-                parts += list(_options(self.logits[:, :depth], spine, confidences, k, self.columns))
-            d, n = depth, parts[-1].shape[1] if k else 0  # n options per row
+                values, tokens = _position_options(self.logits, spine, confidences, k, self.columns)  # [B, K, k']
+                parts += [values.flatten(1), tokens.flatten(1)]
             flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
-            self._read[(depth, k)] = [
+            n = (len(flat[0]) - 3 * d) // 2 if flat else 0  # options per row: K positions x k'
+            each = n // d if d else 0
+            self._read[k] = [
                 ([int(t) for t in row[:d]], row[d : 2 * d], row[2 * d : 3 * d],
-                 [(v, int(i), int(t)) for v, i, t in zip(row[3 * d : 3 * d + n], row[3 * d + n : 3 * d + 2 * n],
-                                                         row[3 * d + 2 * n :])])
+                 [(v, j // each, int(t)) for j, (v, t) in enumerate(zip(row[3 * d : 3 * d + n], row[3 * d + n :]))])
                 for row in flat]
-        return self._read[(depth, k)]
+        return [(spine[:depth], confidences[:depth], chances[:depth],
+                 sorted((o for o in options if o[1] < depth), key=lambda o: -o[0])[:k])  # stable: ties to shallower
+                for spine, confidences, chances, options in self._read[k]]
 
 
 @dataclass
@@ -267,18 +272,32 @@ def _own_options(logits, spine, confidences, k, columns=None) -> list[tuple[floa
 def _options(logits, spine, confidences, k, columns=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The k best own options of each row, on the device: (scores, depths, token ids), each [B, k'], best first.
     logits [B, depth, V or |columns|], spine and confidences [B, depth]."""
+    scores = _option_scores(logits, spine, confidences, columns)  # [B, depth, C]
+    _, depth, width = scores.shape
+    values, picked = scores.flatten(1).topk(min(k, depth * (width - 1)), dim=1)
+    tokens = picked % width if columns is None else columns[picked % width]
+    return values, picked // width, tokens
+
+
+def _position_options(logits, spine, confidences, k, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best own options at each position of each row, on the device: (scores, token ids), each [B, depth, k']
+    (a row's k best above any depth are among them)."""
+    scores = _option_scores(logits, spine, confidences, columns)
+    values, picked = scores.topk(min(k, scores.shape[2] - 1), dim=2)
+    return values, picked if columns is None else columns[picked]
+
+
+def _option_scores(logits, spine, confidences, columns=None) -> torch.Tensor:
+    """Each alternative's score (c_1…c_i)·p(a) at each depth i, the spine's own token at -1: [B, depth, C] for
+    logits [B, depth, V or |columns|], spine (token ids) and confidences [B, depth]."""
     probs = logits.float().softmax(-1)  # [B, depth, C]
-    _, depth, width = probs.shape
     if columns is None:
         is_spine = torch.zeros_like(probs, dtype=torch.bool).scatter_(2, spine[..., None].to(probs.device), True)
     else:
         is_spine = columns == spine[..., None]
     confidences = confidences.float()
     reach = torch.cat((confidences.new_ones(confidences.shape[0], 1), confidences[:, :-1].cumprod(1)), 1)  # c_1…c_i
-    scores = (reach[..., None] * probs).masked_fill_(is_spine, -1.0).flatten(1)
-    values, picked = scores.topk(min(k, depth * (width - 1)), dim=1)
-    tokens = picked % width if columns is None else columns[picked % width]
-    return values, picked // width, tokens
+    return (reach[..., None] * probs).masked_fill_(is_spine, -1.0)
 
 
 def throughput_tree(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.Tensor, k: int,
