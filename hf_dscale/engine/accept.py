@@ -10,8 +10,10 @@ Two rules, both exact for greedy decoding and lossless for sampling:
 * any **tree** (or a greedy chain): "sample, then match" (`walk_tree`): draw the target's token after the current
   node from p (its argmax when greedy), move to the child holding it, stop at the first token no child holds.
 
-Without logits processors every node's token is drawn at once for the whole batch and read back with one host
-synchronisation; processors depend on the path, so with them the walk applies them node by node.
+Every node's token is drawn at once for the whole batch and read back with one host synchronisation. Logits
+processors depend on the path, so with them each node's logits are first processed for its own path (the row, then
+the tokens down to the node), every node's, not only those the walk will visit: a few more processor calls instead
+of a read of the device per node visited.
 """
 
 from __future__ import annotations
@@ -33,36 +35,38 @@ def accept(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_samp
     logits = logits.float()
     if q_logits is not None:
         return _sampled_chain(verify, logits, rows, processors, q_logits, active)
-    if not processors:
-        if do_sample:
-            b, n, v = logits.shape
-            picks = torch.multinomial(logits.softmax(-1).view(b * n, v), 1).view(b, n)
-        else:
-            picks = logits.argmax(-1)
-        picks = picks.tolist()  # the cycle's one host synchronisation for the target's tokens
-        walks = []
-        for b, tree in enumerate(verify.trees):
-            if not active[b]:
-                walks.append(None)
-                continue
-            tokens, path = walk_tree(tree, lambda node, b=b: picks[b][node])
-            walks.append(Walk(tokens, path, logits[b, path]))
-        return walks
-    return [_processed_walk(verify, logits, rows, processors, do_sample, b) if active[b] else None
-            for b in range(len(verify.trees))]
+    if processors:
+        logits = _processed(verify, logits, rows, processors, active)
+    if do_sample:
+        b, n, v = logits.shape
+        probs = logits.softmax(-1).nan_to_num_(0.0).view(b * n, v)
+        # a node whose processors leave no token (no_repeat_ngram_size, every token used) draws uniformly rather than
+        # fail the batch: past max_new_tokens, where plain decoding never draws, its draw is not committed
+        probs.masked_fill_(probs.sum(-1, keepdim=True) <= 0, 1.0)
+        picks = torch.multinomial(probs, 1).view(b, n)
+    else:
+        picks = logits.argmax(-1)
+    picks = picks.tolist()  # the cycle's one host synchronisation for the target's tokens
+    walks = []
+    for b, tree in enumerate(verify.trees):
+        if not active[b]:
+            walks.append(None)
+            continue
+        tokens, path = walk_tree(tree, lambda node, b=b: picks[b][node])
+        walks.append(Walk(tokens, path, logits[b, path]))
+    return walks
 
 
-def _processed_walk(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_sample: bool, b: int) -> Walk:
-    """The walk of row b with `generate()`'s logits processors applied at each node to the row + the node's path."""
-    tree, apply, scores = verify.trees[b], rows.processors_for(processors, b), []
-
-    def choose(node: int) -> int:
-        row = apply(rows.sequence(b, tree.path(node)), logits[b, node][None])
-        scores.append(row[0])
-        return int(torch.multinomial(row[0].softmax(-1), 1)) if do_sample else int(row[0].argmax())
-
-    tokens, path = walk_tree(tree, choose)
-    return Walk(tokens, path, torch.stack(scores))
+def _processed(verify: Verify, logits: torch.Tensor, rows: Rows, processors, active: list[bool]) -> torch.Tensor:
+    """logits [B, N, V] with `generate()`'s logits processors applied at every node of every active row's tree to
+    the row + the node's path, as plain decoding would apply them there."""
+    processed = logits.clone()
+    for b, tree in enumerate(verify.trees):
+        if active[b]:
+            apply = rows.processors_for(processors, b)
+            for node in range(len(tree.tokens)):
+                processed[b, node] = apply(rows.sequence(b, tree.path(node)), logits[b, node][None])[0]
+    return processed
 
 
 def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Rows, processors, q_logits: torch.Tensor,

@@ -234,12 +234,12 @@ class _Never(StoppingCriteria):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("own_criterion", [False, True])
-@pytest.mark.parametrize("method", ["tree", "tree cut", "chain", "sampled chain", "d2sd"])
+@pytest.mark.parametrize("method", ["tree", "tree cut", "tree processed", "chain", "sampled chain", "d2sd"])
 def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batch, own_criterion, method):
     """The draft is read once for every row and path (the chain's cut and D²SD's boundaries read the same transfer),
     D²SD's VP pass once for every row and branch, and the target's tokens once (a sampled chain's rejection rule too,
-    processors and all); length and EOS stops are answered on the host, a criterion of the user's own is read once
-    per row. No other stage waits for the device (a GPU would stall on each read)."""
+    and a tree's walk under logits processors); length and EOS stops are answered on the host, a criterion of the
+    user's own is read once per row. No other stage waits for the device (a GPU would stall on each read)."""
     from hf_dscale.engine import loop
 
     target = tiny_target("llama", eos=5)
@@ -256,13 +256,14 @@ def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batc
     stats = DecodeStats()
     own = {"stopping_criteria": StoppingCriteriaList([_Never()])} if own_criterion else {}
     how = {"tree": {"do_sample": False}, "tree cut": {"do_sample": False, "draft_tree": True, "draft_confidence": 0.3},
+           "tree processed": {"do_sample": True, "draft_tree": True, "repetition_penalty": 1.2, "top_k": 20},
            "chain": {"do_sample": False, "draft_tree": False},
            "sampled chain": {"do_sample": True, "temperature": 0.7, "top_k": 20},
            "d2sd": {"do_sample": False, "vp_drafter": tiny_drafter(target, block_size=8, seed=7)}}[method]
     torch.manual_seed(0)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, custom_generate=custom_generate,
                     drafter=drafter, dscale_stats=stats, **how, **own)
-    assert stats.plan.tree == (method in ("tree", "tree cut", "d2sd"))
+    assert stats.plan.tree == (method in ("tree", "tree cut", "tree processed", "d2sd"))
     assert stats.plan.prompt_lookup == (method == "tree")
     assert stats.cycles > 3
     stages = 3 if method == "d2sd" else 2

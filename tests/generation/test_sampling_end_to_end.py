@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import NoRepeatNGramLogitsProcessor
 
 from hf_dscale.engine import accept
 from hf_dscale.generation import DecodeStats, custom_generate
@@ -20,12 +21,15 @@ from .test_acceptance import _broken_recovered_from_p, _pvalue
 VOCAB, TEMPERATURE, NEW = 8, 0.7, 3
 
 
-def _exact_marginals(target, prompt):
+def _exact_marginals(target, prompt, no_repeat: bool = False):
     marginals = []
     prefixes, weights = [()], torch.ones(1)
     for _ in range(NEW):
         batch = torch.tensor([prompt + list(p) for p in prefixes])
-        probs = torch.softmax(target(batch).logits[:, -1].float() / TEMPERATURE, -1)  # [n, V]
+        logits = target(batch).logits[:, -1].float()
+        if no_repeat:  # as generate() applies it, before the temperature: no token twice
+            logits = NoRepeatNGramLogitsProcessor(1)(batch, logits)
+        probs = torch.softmax(logits / TEMPERATURE, -1)  # [n, V]
         joint = weights[:, None] * probs
         marginals.append(joint.sum(0))
         prefixes = [p + (t,) for p in prefixes for t in range(VOCAB)]
@@ -82,6 +86,22 @@ def test_sampling_with_the_verify_compiled_matches_target(setup, tree):
     assert stats.plan.verify_path == "compiled" and stats.plan.tree == tree
     for j in range(NEW):
         assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+
+
+def test_sampling_on_a_tree_under_processors_matches_target(setup):
+    """A token tree sampled under a logits processor that reads the path (no token twice: `no_repeat_ngram_size=1`),
+    then the temperature: each node's logits are processed for its own path and every node is drawn at once; the walk
+    keeps the target's distribution under those processors (which a node processed for another path would not)."""
+    target, drafter, prompt, _ = setup
+    with torch.no_grad():
+        exact = _exact_marginals(target, prompt, no_repeat=True)
+    stats = DecodeStats()
+    samples = _custom_samples(target, drafter, prompt, rows=1500, seed=4, draft_tree=True, no_repeat_ngram_size=1,
+                              dscale_stats=stats)
+    assert stats.plan.tree and max(stats.verified) > 2  # trees, with nodes the walk may not visit
+    for j in range(NEW):
+        assert _pvalue(samples[:, j], exact[j]) > 1e-4, f"token {j + 1}"
+    assert all(len(set(row)) == NEW and not set(row) & set(prompt) for row in samples.tolist())
 
 
 def test_custom_generate_check_catches_broken_rule(setup, monkeypatch):
