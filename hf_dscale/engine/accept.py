@@ -63,9 +63,10 @@ def _processed(verify: Verify, logits: torch.Tensor, rows: Rows, processors, act
     processed = logits.clone()
     for b, tree in enumerate(verify.trees):
         if active[b]:
-            apply = rows.processors_for(processors, b)
+            apply, row = rows.processors_for(processors, b), rows.sequence(b)  # the row once, then each node's path
             for node in range(len(tree.tokens)):
-                processed[b, node] = apply(rows.sequence(b, tree.path(node)), logits[b, node][None])[0]
+                ids = torch.cat((row, row.new_tensor(tree.path(node))[None]), 1)
+                processed[b, node] = apply(ids, logits[b, node][None])[0]
     return processed
 
 
@@ -74,11 +75,7 @@ def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Rows, processors,
     """Speculative sampling over a batch of chains of one length: processed p at every node, then the rule."""
     drafts = verify.ids[:, 1:]  # [B, K]
     if processors:
-        logits = logits.clone()
-        for b in range(logits.shape[0]):
-            apply = rows.processors_for(processors, b)
-            for k in range(logits.shape[1]):
-                logits[b, k] = apply(rows.sequence(b, drafts[b, :k]), logits[b, k][None])[0]
+        logits = _processed(verify, logits, rows, processors, active)
     num_accepted, output_ids = speculative_accept(drafts, q_logits.softmax(-1), logits.softmax(-1))
     walks = []
     for b, (n, *output) in enumerate(torch.cat((num_accepted[:, None], output_ids), 1).tolist()):  # one read

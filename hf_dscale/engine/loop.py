@@ -173,9 +173,9 @@ class Engine:
         overhead = self.overhead_s / self.stats.cycles if self.stats.cycles else 0.0
         plan, k = self.plan, self.plan.num_branches
         if not plan.tree:  # one length for every row, so the batch verifies as plain chains
-            k = draft.spine.shape[1]
-            rows = draft.on_host(k)  # the one read: every row's spine and chances, which the cut reads too
-            n = self.cut.length_of([row[2] for row, on in zip(rows, active) if on], k, overhead)
+            width = draft.spine.shape[1]
+            rows = draft.on_host(width)  # the one read: every row's spine and chances, which the cut reads too
+            n = self.cut.length_of([row[2] for row, on in zip(rows, active) if on], width, overhead)
             return [TokenTree.from_candidates(a, [rows[b][0][:n]]) for b, a in enumerate(anchors)]
         sized = plan.draft_confidence == AUTO and self.vp_drafter is None
         depth = draft.spine.shape[1]

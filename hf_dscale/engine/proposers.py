@@ -45,19 +45,19 @@ class Draft:
 
     def on_host(self, depth: int, k: int = 0) -> list[tuple[list[int], list[float], list[float], list[tuple]]]:
         """Per row: the spine's first `depth` drafts, their confidences c_1…c_d and chances c_1…c_i (products), and
-        (k > 0) the k best own options above `depth` (`_own_options`: score, depth, token; best first). Read from the
-        device for every row, every depth and path at once (each position's k best options come along, so any depth
-        finds its k best among them): the draft stage's one host synchronisation."""
+        (k > 0) the k best own options above `depth` (`own_branches`, with scores: score, depth, token; best first).
+        Read from the device for every row, every depth and path at once (each position's k best options come along,
+        so any depth finds its k best among them): the draft stage's one host synchronisation."""
         if k not in self._read:
             spine, confidences = self.spine, self.confidences.float()
-            b, d = spine.shape
+            d, each = spine.shape[1], 0  # each: options per position
             parts = [spine, confidences, confidences.cumprod(1)]
             if k:
                 values, tokens = _position_options(self.logits, spine, confidences, k, self.columns)  # [B, K, k']
+                each = values.shape[2]
                 parts += [values.flatten(1), tokens.flatten(1)]
             flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
-            n = (len(flat[0]) - 3 * d) // 2 if flat else 0  # options per row: K positions x k'
-            each = n // d if d else 0
+            n = d * each  # options per row
             self._read[k] = [
                 ([int(t) for t in row[:d]], row[d : 2 * d], row[2 * d : 3 * d],
                  [(v, j // each, int(t)) for j, (v, t) in enumerate(zip(row[3 * d : 3 * d + n], row[3 * d + n :]))])
@@ -159,8 +159,7 @@ def boundary_scores(confidences: torch.Tensor) -> torch.Tensor:
 
     Example: c = [0.9, 0.5, 0.8] -> r = [0.1, 0.45, 0.09].
     """
-    kept = torch.cat((confidences.new_ones(1), confidences[:-1].cumprod(0)))
-    return kept * (1 - confidences)
+    return confidences.new_tensor(_boundary_scores(confidences.float().tolist()))
 
 
 def top_prefixes(confidences: torch.Tensor | list[float], k: int) -> list[int]:
@@ -172,7 +171,7 @@ def top_prefixes(confidences: torch.Tensor | list[float], k: int) -> list[int]:
 
 
 def _boundary_scores(confidences: list[float]) -> list[float]:
-    """`boundary_scores` on the host."""
+    """`boundary_scores` on host lists."""
     scores, kept = [], 1.0
     for c in confidences:
         scores.append(kept * (1 - c))
@@ -228,9 +227,9 @@ def options_on_host(options: tuple[torch.Tensor, ...]) -> list[tuple]:
     b, m = rest.shape
     flat = torch.cat([t.double().reshape(b, -1) for t in options], 1).tolist()  # ids and float32 values are exact
     k, width = values.shape[2], fills.shape[2]
+    ends = list(itertools.accumulate((m * k, m * k, m, m * width)))
     out = []
     for row in flat:
-        ends = list(itertools.accumulate((m * k, m * k, m, m * width)))
         v, t, r, f = row[: ends[0]], row[ends[0] : ends[1]], row[ends[1] : ends[2]], row[ends[2] :]
         out.append(([v[j * k : (j + 1) * k] for j in range(m)],
                     [[int(x) for x in t[j * k : (j + 1) * k]] for j in range(m)],
@@ -260,23 +259,8 @@ def own_branches(logits: torch.Tensor, spine: torch.Tensor, confidences: torch.T
 
     logits [depth, V or |columns|] (row i predicts spine[i]); `columns` as in `ranked_branches`.
     """
-    return [(i, token) for _, i, token in _own_options(logits, spine, confidences, k, columns)]
-
-
-def _own_options(logits, spine, confidences, k, columns=None) -> list[tuple[float, int, int]]:
-    """`own_branches` with their scores: [(score, depth i, token)], best first."""
-    values, at, tokens = _options(logits[None], spine[None], confidences[None], k, columns)
-    return list(zip(values[0].tolist(), at[0].tolist(), tokens[0].tolist()))
-
-
-def _options(logits, spine, confidences, k, columns=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The k best own options of each row, on the device: (scores, depths, token ids), each [B, k'], best first.
-    logits [B, depth, V or |columns|], spine and confidences [B, depth]."""
-    scores = _option_scores(logits, spine, confidences, columns)  # [B, depth, C]
-    _, depth, width = scores.shape
-    values, picked = scores.flatten(1).topk(min(k, depth * (width - 1)), dim=1)
-    tokens = picked % width if columns is None else columns[picked % width]
-    return values, picked // width, tokens
+    options = Draft(spine[None], confidences[None], logits[None], columns).on_host(spine.shape[0], k)[0][3]
+    return [(i, token) for _, i, token in options]
 
 
 def _position_options(logits, spine, confidences, k, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
