@@ -214,9 +214,12 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
     * with `compile`: `generate-compiled`, plain decoding with a static cache compiled by transformers on any device
       (`compat.compile_everywhere`), and the plan's method with the other verify than the device's default
       (`plan.compile_by_default`): `dscale-auto-compiled` (`custom_generate(compile=True)`) where the default is
-      eager (a CPU), `dscale-auto-eager` (`compile=False`) where it compiles (a GPU).
+      eager (a CPU), `dscale-auto-eager` (`compile=False`) where it compiles (a GPU);
+    * on a CPU where hf_dscale's CPU kernel runs, `dscale-auto-no-cpu-kernel`: the plan's method with torch's
+      matrix products in every verify (`cpu_linear=False`).
     """
     from .engine.plan import compile_by_default
+    from .kernels import cpu_linear
     from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 
     ours = dict(custom_generate=custom_generate, drafter=drafter, draft_confidence=draft_confidence)
@@ -244,6 +247,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         compiled = compile_by_default(next(target.parameters()).device)[0]
         peers.append(Peer("dscale-auto-eager", dict(ours, compile=False), dscale=True) if compiled else
                      Peer("dscale-auto-compiled", dict(ours, compile=True), dscale=True))
+    if next(target.parameters()).device.type == "cpu" and cpu_linear.unavailable() is None:
+        peers.append(Peer("dscale-auto-no-cpu-kernel", dict(ours, cpu_linear=False), dscale=True))
     if vp_drafter is not None:
         peers.append(Peer("d2sd", dict(ours, vp_drafter=vp_drafter, num_branches=num_branches), dscale=True))
     return peers

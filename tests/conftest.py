@@ -77,6 +77,24 @@ def split_head_everywhere(monkeypatch):
     monkeypatch.setattr(target_forward, "faster_transposed", lambda head, widths, batch_size=1: set(widths))
 
 
+@pytest.fixture(autouse=True)
+def cpu_kernel_everywhere(monkeypatch):
+    """Where hf_dscale's CPU kernel runs (x86-64 with AVX-512 and a C compiler), every eager verify a plan measures
+    uses it at every width: the measurement reads `cpu_like_costs` for it and 10% more for torch's products, so each
+    decode test checks the kernel's path, the costs a plan keeps are `cpu_like_costs` either way, and none depends on
+    a timing. Elsewhere plans keep torch's products, as they would. tests/kernels/test_cpu_linear.py tests the kernel
+    and the choice for real."""
+    monkeypatch.setattr(target_forward, "verify_costs_both", lambda target, transposed, widths, batch_size=1: (
+        {w: 1.1 * c for w, c in cpu_like_costs(max(widths)).items()}, cpu_like_costs(max(widths))))
+
+
+def fix_verify_costs(monkeypatch, costs: dict[int, float]) -> None:
+    """Every plan measured in the test reads `costs` as its verify costs, with the CPU kernel's products or torch's
+    (the same: the plan keeps torch's)."""
+    monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: costs)
+    monkeypatch.setattr(target_forward, "verify_costs_both", lambda *args, **kwargs: (costs, costs))
+
+
 FAMILIES = ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3")
 SLIDING_FAMILIES = FAMILIES[2:]  # each with a sliding window of WINDOW tokens on some or all layers
 WINDOW = 8

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                         "compiled on a GPU, eager on a CPU; tens of seconds to compile once, reported as compile_s "
                         "apart from decode time); with --peers, --compile adds plain generate() compiled by "
                         "transformers with a static cache, and the plan's method compiled")
+    p.add_argument("--cpu-linear", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a CPU, verify with hf_dscale's kernel for the matrix products, or torch's "
+                        "(custom_generate(cpu_linear=...); default: whichever the plan measures cheaper per width)")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -97,6 +100,8 @@ def _method_options(args, target) -> dict:
         options |= dict(prompt_lookup=True)
     if args.compile is not None:
         options |= dict(compile=args.compile)
+    if args.cpu_linear is not None:
+        options |= dict(cpu_linear=args.cpu_linear)
     return options
 
 

@@ -102,7 +102,15 @@ def describe_plan(plan) -> str:
         cut = f"draft_confidence {plan.draft_confidence}, at least {plan.min_drafts} drafts"
     else:
         cut = "whole blocks"
-    return f"{method}, {cut}"
+    verify = ""
+    if plan.compile_widths is not None:
+        verify = ", verified compiled"
+    elif plan.cpu_linear_widths:
+        widths = plan.cpu_linear_widths
+        span = f"{widths[0]}-{widths[-1]}" if list(widths) == list(range(widths[0], widths[-1] + 1)) else \
+            ", ".join(map(str, widths))
+        verify = f", verify products by hf_dscale's CPU kernel at {span} tokens"
+    return f"{method}, {cut}{verify}"
 
 
 def load_models(args):

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the verify forward compiled, or not (default: the plan's, compiled on a GPU, eager on a "
                         "CPU; tens of seconds to compile once; see bench's --compile)")
+    p.add_argument("--cpu-linear", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a CPU, verify with hf_dscale's kernel for the matrix products, or torch's "
+                        "(custom_generate(cpu_linear=...); default: whichever the plan measures cheaper per width)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -54,6 +57,8 @@ def main(args) -> int:
         method, extra = "dscale-tree", dict(num_branches=args.num_branches, prompt_lookup=args.prompt_lookup)
     if args.compile is not None:
         extra["compile"] = args.compile
+    if args.cpu_linear is not None:
+        extra["cpu_linear"] = args.cpu_linear
     if args.compile or (args.compile is None and compile_by_default(target.device)[0]):
         print("compiling the verify forward (once; tens of seconds on a CPU) ...", flush=True)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,

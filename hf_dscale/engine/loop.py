@@ -386,6 +386,7 @@ def decode(
     finally:
         if engine.recorder is not None:
             engine.recorder.remove()
+        engine.forward.close()
         if tree_kernel:
             target.set_attn_implementation(attn)
         if streamer is not None:

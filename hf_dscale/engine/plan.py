@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..generation import target_forward
-from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, min_drafts_from,
+from ..kernels import cpu_linear as cpu_linear_kernel
+from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, cut_minimum, min_drafts_from,
                                        resolve_draft_confidence)
 from .compiled import static_verify_for
 
@@ -50,6 +51,7 @@ class Plan:
     draft_confidence: float | str  # AUTO: sized for throughput over `verify_costs`; c in (0, 1): confidence cut; 0
     min_drafts: int | None  # a confidence cut keeps at least this many drafts (None: no confidence cut)
     transposed: tuple[int, ...] | None  # widths the verify applies the LM head transposed (None: the model's forward)
+    cpu_linear_widths: tuple[int, ...] | None = None  # widths whose products run the CPU kernel (`kernels/cpu_linear`)
     verify_costs: dict[int, float] | None = None  # seconds of a verify of w tokens (anchor included), w = 1..max
     calibrate_s: float = 0.0  # what measuring cost
     compile_widths: tuple[int, ...] | None = None  # the verify runs compiled at these widths (None: eager)
@@ -75,7 +77,8 @@ class Plan:
 
     def forward(self, target: nn.Module) -> target_forward.TargetForward:
         """The verify forward this plan chose for `target`."""
-        return target_forward.TargetForward(target, None if self.transposed is None else frozenset(self.transposed))
+        return target_forward.TargetForward(target, None if self.transposed is None else frozenset(self.transposed),
+                                            frozenset(self.cpu_linear_widths or ()))
 
     def static_verify(self, target: nn.Module, drafter: nn.Module, tap_ids: list[int]):
         """The compiled verify this plan chose (`compiled.StaticVerify`), or None for an eager one."""
@@ -95,6 +98,7 @@ class Plan:
         out = asdict(self)
         out["verify_path"] = self.verify_path
         out["transposed"] = None if self.transposed is None else list(self.transposed)
+        out["cpu_linear_widths"] = None if self.cpu_linear_widths is None else list(self.cpu_linear_widths)
         out["compile_widths"] = None if self.compile_widths is None else list(self.compile_widths)
         out["reasons"] = list(self.reasons)
         if self.verify_costs is not None:
@@ -111,7 +115,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
               do_sample: bool = False, tree: bool | None = None, prompt_lookup: bool | None = None,
               num_branches: int = 4, branch_policy: str = "ranked",
               draft_confidence: float | str | None = None, compile: bool | None = None,
-              compile_widths: tuple[int, ...] | None = None) -> Plan:
+              compile_widths: tuple[int, ...] | None = None, cpu_linear: bool | None = None) -> Plan:
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
     Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
@@ -123,6 +127,10 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     takes tens of seconds per width on a CPU (`Plan.compile_s`, kept apart from decode time) and pays only over
     long or many generations. `compile=None` decides by device (`compile_by_default`): compiled on a GPU, falling
     back to an eager verify (logged, and in `Plan.reasons`) where compiling fails; eager on a CPU.
+
+    An eager verify on a CPU measures each width with torch's matrix products and with the CPU kernel's
+    (`kernels/cpu_linear.py`, built on first use) and keeps the cheaper (`Plan.cpu_linear_widths`); `cpu_linear=False`
+    keeps torch's, `cpu_linear=True` fails where the kernel cannot run.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -164,7 +172,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         reasons.append(why)
     compiled = _compiled_costs(target, drafter, vp_drafter, compile_widths or (max_width,), batch_size,
                                by_default, reasons) if compile else None
-    transposed, compile_widths, compile_s = None, None, 0.0
+    transposed, kernel_widths, compile_widths, compile_s = None, None, None, 0.0
     if compiled is not None:  # a compiled verify fuses its head in the graph: no split head
         compile_widths, costs, compile_s = compiled
         max_width = compile_widths[-1]
@@ -179,8 +187,22 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
             transposed = tuple(sorted(faster)) or None
         reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
                        "verify with the target's own forward")
-        forward = target_forward.TargetForward(target, None if transposed is None else frozenset(transposed))
-        cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what it needs
+        split = None if transposed is None else frozenset(transposed)
+        why_not = _cpu_linear_unavailable(target, cpu_linear)
+        if why_not is None:
+            kernel_widths, costs = _cpu_linear_costs(target, split, max_width, batch_size, reasons)
+            if confidence == AUTO:
+                cut = DraftCut(costs=costs)
+            else:  # a confidence cut's minimum, measured as without the kernel, through the forward chosen here
+                forward = target_forward.TargetForward(target, split, frozenset(kernel_widths or ()))
+                try:
+                    cut = DraftCut(confidence, cut_minimum(target, confidence, forward))
+                finally:
+                    forward.close()
+        else:
+            reasons.append(f"verify products by torch: {why_not}")
+            forward = target_forward.TargetForward(target, split)
+            cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what it needs
     if cut.costs is not None:
         reasons.append(f"draft_confidence auto: verify widths chosen each cycle from the costs of 1..{max_width} "
                        f"tokens at batch {batch_size}")
@@ -188,9 +210,39 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         reasons.append(f"draft_confidence {confidence}: at least {cut.minimum} drafts (the widest cheap verify)")
     return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
                 num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
-                min_drafts=cut.minimum, transposed=transposed, verify_costs=cut.costs,
+                min_drafts=cut.minimum, transposed=transposed, cpu_linear_widths=kernel_widths, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
                 compile_s=compile_s, reasons=tuple(reasons))
+
+
+def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | None:
+    """Why a verify of `target` cannot use the CPU kernel (None: it can); raises if `wanted` is True and it cannot."""
+    weight = next(target.parameters())
+    if wanted is False:
+        why = "cpu_linear=False"
+    elif weight.device.type != "cpu" or weight.dtype != torch.float32:
+        why = f"the CPU kernel takes float32 weights on the CPU, the target's are {weight.dtype} on {weight.device}"
+    else:
+        why = cpu_linear_kernel.unavailable()
+    if wanted and why is not None:
+        raise RuntimeError(f"cpu_linear=True, but the CPU kernel cannot run: {why}. Pass cpu_linear=None (measure) "
+                           "or False.")
+    return why
+
+
+def _cpu_linear_costs(target: nn.Module, transposed: frozenset[int] | None, max_width: int, batch_size: int,
+                      reasons: list[str]) -> tuple[tuple[int, ...] | None, dict[int, float]]:
+    """Each verify width measured with torch's products and with the CPU kernel's: (the widths where the kernel is
+    cheaper, or None; the cheaper cost of each width)."""
+    widths = range(1, max_width + 1)
+    torch_costs, kernel_costs = target_forward.verify_costs_both(target, transposed, widths, batch_size)
+    chosen = tuple(w for w in widths if kernel_costs[w] < torch_costs[w])
+    top = max_width
+    reasons.append(f"CPU kernel ({cpu_linear_kernel.isa()}) for the verify's products at widths {list(chosen)} (a "
+                   f"verify of {top} tokens: "
+                   f"{1e3 * kernel_costs[top]:.1f} ms against {1e3 * torch_costs[top]:.1f} ms with torch's)"
+                   if chosen else "verify products by torch: the CPU kernel measured no cheaper at any width")
+    return chosen or None, {w: min(torch_costs[w], kernel_costs[w]) for w in widths}
 
 
 def compile_by_default(device: torch.device) -> tuple[bool, str]:

@@ -38,6 +38,7 @@ def generate(
     draft_confidence: float | str | None = None,
     prompt_lookup: bool | None = None,
     compile: bool | None = None,
+    cpu_linear: bool | None = None,
     plan=None,
     streamer_=None,
     dscale_stats=None,
@@ -75,6 +76,11 @@ def generate(
             `dscale_stats.compile_s` and the plan's `compile_s`); later calls reuse it. Default: the plan's, compiled
             on a GPU (eager where compiling fails, logged) and eager on a CPU, where a compile pays back only over
             thousands of tokens.
+        cpu_linear: on a CPU, whether an eager verify may run its matrix products with hf_dscale's CPU kernel
+            (`hf_dscale.kernels.cpu_linear`, which reads each float32 weight once for all the verified tokens,
+            where MKL's SGEMM at 4-16 tokens costs up to twice a one-token product). Default: measured per verify
+            width once per target, kept where cheaper; False: torch's products; True: fail where the kernel cannot
+            run (it needs x86-64 with AVX-512 and a C compiler, and compiles itself once into the cache folder).
         plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
             target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).
@@ -99,7 +105,8 @@ def generate(
                               do_sample=bool(generation_config.do_sample), pad_token_id=int(pad),
                               cache=compat.find_cache(model_kwargs), streamer=streamer_, tree_kernel=tree_kernel,
                               tree=draft_tree, num_branches=num_branches, branch_policy=branch_policy,
-                              draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, compile=compile)
+                              draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, compile=compile,
+                              cpu_linear=cpu_linear)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

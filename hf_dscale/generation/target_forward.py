@@ -13,16 +13,22 @@ states (no soft-capping, scaling or bias the probe would miss): the target's own
 `F.linear` over those hidden states bit for bit. The two layouts compute the same sums in another order, as
 the target's own forward already does at other widths, so greedy decoding keeps its identity with plain
 `generate()` on the same terms as before (the benches check it: `identical`).
+
+At the widths in `Plan.cpu_linear_widths` every float32 product of the verify, the head's included, runs the CPU
+kernel of `kernels/cpu_linear.py` instead, which reads each weight once for all the verify's tokens; `calibrate`
+measures both ways per width (`verify_costs_both`) and keeps the cheaper.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_linear
 from ..models.dscale import compat
 from ..models.dscale.assistant import median_seconds
 
@@ -31,12 +37,16 @@ class TargetForward:
     `cache` passed under the name the called module takes (`compat.cache_kwargs`).
 
     `transposed` None: the target's own forward; else the split head (base model, then the head, transposed at
-    the widths in `transposed`).
+    the widths in `transposed`). `cpu_linear_widths`: the widths T whose products run the CPU kernel (hooks on the
+    target's `nn.Linear` modules while such a forward runs; `close()` takes them off).
     """
 
-    def __init__(self, target: nn.Module, transposed: frozenset[int] | None = None):
+    def __init__(self, target: nn.Module, transposed: frozenset[int] | None = None,
+                 cpu_linear_widths: frozenset[int] | None = None):
         self.target = target
         self.transposed = transposed
+        self.cpu_linear_widths = cpu_linear_widths or frozenset()
+        self._linears = cpu_linear.CpuLinears(target) if self.cpu_linear_widths else None
 
     @property
     def kind(self) -> str:
@@ -47,10 +57,23 @@ class TargetForward:
         module = self.target if self.transposed is None else self.target.base_model
         if cache is not None:
             kwargs.update(compat.cache_kwargs(module, cache))
-        if self.transposed is None:
-            return module(**kwargs).logits
-        hidden = module(**kwargs).last_hidden_state  # [B, T, H]
-        return apply_head(self.target.get_output_embeddings(), hidden, hidden.shape[1] in self.transposed)
+        width = kwargs["input_ids"].shape[1]
+        kernel = width in self.cpu_linear_widths
+        with self._linears.active() if kernel else contextlib.nullcontext():
+            if self.transposed is None:
+                return module(**kwargs).logits
+            hidden = module(**kwargs).last_hidden_state  # [B, T, H]
+            head = self.target.get_output_embeddings()
+            if kernel and cpu_linear.supports(hidden, head.weight, head.bias):
+                return cpu_linear.linear(hidden, head.weight, head.bias)
+            return apply_head(head, hidden, width in self.transposed)
+
+    def close(self) -> None:
+        """Take the kernel's hooks off the target."""
+        if self._linears is not None:
+            self._linears.remove()
+            self._linears = None
+            self.cpu_linear_widths = frozenset()
 
 
 def apply_head(head: nn.Linear, hidden: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -93,3 +116,22 @@ def faster_transposed(head: nn.Linear, widths, batch_size: int = 1, repeats: int
             for width in widths for t in (False, True)}
     median = median_seconds(jobs, repeats, clock)
     return {width for width in widths if median[(width, True)] < median[(width, False)]}
+
+
+@torch.no_grad()
+def verify_costs_both(target: nn.Module, transposed: frozenset[int] | None, widths, batch_size: int = 1,
+                      repeats: int = 3, clock=time.perf_counter) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds of a verify forward of each of `widths` tokens with torch's products and with the CPU kernel's, as
+    `verify_costs` measures them, the two interleaved so that a slow spell of the machine hits both alike."""
+    eager = TargetForward(target, transposed)
+    kernel = TargetForward(target, transposed, frozenset(widths))
+    try:
+        ids = torch.zeros(batch_size, max(widths), dtype=torch.long, device=next(target.parameters()).device)
+        for forward in (eager, kernel):  # warm-up
+            forward(input_ids=ids[:, :2], use_cache=False)
+        jobs = {(w, forward is kernel): (lambda w=w, forward=forward: forward(input_ids=ids[:, :w], use_cache=False))
+                for w in widths for forward in (eager, kernel)}
+        median = median_seconds(jobs, repeats, clock)
+    finally:
+        kernel.close()
+    return {w: median[(w, False)] for w in widths}, {w: median[(w, True)] for w in widths}

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from hf_dscale.cli import main
+from hf_dscale.kernels import cpu_linear
 from hf_dscale.models.dscale.assistant import CPU_DRAFT_CONFIDENCE
 
 from ..conftest import cpu_like_costs, tiny_drafter, tiny_target
@@ -57,6 +58,8 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and "gpu" not in machine
     block_size = json.loads((folders / "drafter" / "config.json").read_text())["block_size"]
     assert report["verify_costs_ms"] == {str(w): round(1000 * s, 2) for w, s in cpu_like_costs(block_size).items()}
+    kernel = cpu_linear.unavailable() is None  # the conftest makes the kernel the cheaper wherever it runs
+    assert report["plan"]["cpu_linear_widths"] == (list(range(1, block_size + 1)) if kernel else None)
     assert report["min_drafts"] is None
     # the verify path the run took (the conftest makes every width transposed wherever the probe allows it)
     assert report["verify_forward"] == "split-head"
@@ -107,7 +110,9 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
     report = json.loads(out.read_text())
     names = ["generate", "generate-static", "transformers-prompt-lookup"]
     names += ["transformers-dflash", "transformers-dflash-static"] if native_dflash_reads_layer_outputs() else []
-    names += ["assistant_model", "dscale-auto", "dscale", "dscale-tree", "dscale-tree-lookup", "d2sd"]
+    names += ["assistant_model", "dscale-auto", "dscale", "dscale-tree", "dscale-tree-lookup"]
+    names += ["dscale-auto-no-cpu-kernel"] if cpu_linear.unavailable() is None else []  # where the kernel runs
+    names += ["d2sd"]
     assert set(report["refused"]) <= {"transformers-dflash-static"}  # only where the installed transformers refuses it
     names = [n for n in names if n not in report["refused"]]
     assert list(report["peers"]) == names

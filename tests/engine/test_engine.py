@@ -12,7 +12,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from hf_dscale.engine import Plan, calibrate, plan_for
 from hf_dscale.engine.proposers import Draft, Path, own_tree_paths, select_nodes
 from hf_dscale.engine.state import Verify
-from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.generation import DecodeStats, custom_generate, target_forward
 from hf_dscale.generation.tree import TokenTree
 from hf_dscale.models.dscale import assistant, compat
 
@@ -43,8 +43,9 @@ def test_plan_for_measures_once_per_target_and_options(monkeypatch):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     calls = []
-    real = assistant.verify_costs_for
+    real, real_both = assistant.verify_costs_for, target_forward.verify_costs_both
     monkeypatch.setattr(assistant, "verify_costs_for", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(target_forward, "verify_costs_both", lambda *a, **k: calls.append(a) or real_both(*a, **k))
     first = plan_for(target, drafter, batch_size=1)
     assert plan_for(target, drafter, batch_size=1) is first and len(calls) == 1
     assert plan_for(target, drafter, batch_size=2) is not first and len(calls) == 2  # costs are per batch size

@@ -16,7 +16,7 @@ from hf_dscale.models.dscale.assistant import draft_length
 from hf_dscale.generation.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import assistant, compat
 
-from ..conftest import MASK_ID, OracleDrafter, oracle_from, restrict, tiny_drafter, tiny_target
+from ..conftest import MASK_ID, OracleDrafter, fix_verify_costs, oracle_from, restrict, tiny_drafter, tiny_target
 from .test_exactness import _prompt
 from .test_sampling_end_to_end import NEW, TEMPERATURE, setup  # noqa: F401  (module fixture)
 from .test_acceptance import _pvalue
@@ -562,7 +562,7 @@ def test_own_tree_auto_stays_within_the_measured_widths(target, monkeypatch):
     drafter.oracle, drafter.error_rate = oracle_from(plain), 0.3
     block = drafter.config.block_size
     flat = {w: 1.0 for w in range(1, block + 1)}  # every width costs the same: the tree fills the block's width
-    monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: flat)
+    fix_verify_costs(monkeypatch, flat)
     trees, stats = _record_trees(monkeypatch), DecodeStats()
     out = target.generate(ids, max_new_tokens=60, do_sample=False, custom_generate=custom_generate, drafter=drafter,
                           draft_tree=True, draft_confidence="auto", dscale_stats=stats)

@@ -9,9 +9,8 @@ import torch
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.engine.proposers import throughput_tree
 from hf_dscale.generation.lookup import PromptLookup
-from hf_dscale.models.dscale import assistant
 
-from ..conftest import oracle_from, tiny_drafter
+from ..conftest import fix_verify_costs, oracle_from, tiny_drafter
 from .test_acceptance import _pvalue
 from .test_d2sd import _RunnerUpOracle, _tree_samples
 from .test_exactness import _prompt
@@ -91,7 +90,7 @@ def test_prompt_lookup_commits_more_where_the_output_repeats_itself(target, monk
     drafter = tiny_drafter(target, cls=_RunnerUpOracle)
     drafter.oracle, drafter.error_rate = oracle_from(plain), 0.6
     flat = {w: 1.0 for w in range(1, drafter.config.block_size + 1)}
-    monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: flat)
+    fix_verify_costs(monkeypatch, flat)
     stats = {}
     for lookup in (False, True):
         torch.manual_seed(0)

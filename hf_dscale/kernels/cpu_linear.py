@@ -1,0 +1,186 @@
+"""A CPU kernel for the matrix products of a verify: `F.linear` over a few token rows, reading each weight once.
+
+On a CPU a one-token decoding step of a small model is bound by reading its weights, and so should a verify of a
+few tokens be: 16 rows need 16 multiply-adds per weight read, which a core does faster than memory delivers the
+weight. MKL's SGEMM does not get there at 4-16 rows. On a 2-core Xeon, SmolLM2-135M's 210 decoder products took
+18.6 ms at one row and 29-43 ms at 4-16 rows; `cpu_linear.c` takes 19-27 ms at 4-16 rows, against a floor of about
+19 ms for reading their 425 MB.
+
+`cpu_linear.c` is compiled on first use with the machine's C compiler (`$CC`, else `cc`/`gcc`) into the cache
+folder (`$HF_DSCALE_CACHE/kernels`, default `~/.cache/hf_dscale/kernels`), once per source and machine, in about
+half a second, for the vector extension torch found (`torch.backends.cpu.get_cpu_capability()`: AVX-512F, or AVX2
+with FMA). Where it cannot be built or loaded, `unavailable()` says why and nothing uses it. Whether a verify uses
+it is measured per width by the engine's `calibrate` (`Plan.cpu_linear_widths`), since where it pays depends on the
+CPU.
+
+`CpuLinears(model)` routes the model's own `nn.Linear` calls to the kernel while it is active (`with
+linears.active():`), through forward hooks on those modules, which `remove()` takes off: the model's code and
+classes are not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}  # by torch's CPU capability
+
+
+class CpuLinearUnavailable(RuntimeError):
+    """The kernel cannot run here; the message says why."""
+
+
+def _cache_folder() -> Path:
+    from ..models.targets import cache_dir  # the package's one cache folder
+
+    return Path(cache_dir()) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel, or why it is not there (kept per process: the machine does not change while it runs)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel is written for x86-64 Linux; this is {platform.system()} on {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = "AVX512" if "AVX512" in capability else "AVX2" if "AVX2" in capability else None
+    if isa is None:
+        return f"the kernel needs AVX2 or AVX-512; torch reports this CPU's vector capability as {capability}"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler found (set $CC, or install gcc)"
+    flags = (*FLAGS, *ISA_FLAGS[isa])
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    target = _cache_folder() / f"cpu_linear-{isa.lower()}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                return f"compiling {SOURCE.name} with {compiler} failed: {result.stderr.strip()[:300]}"
+            os.replace(built, target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as error:
+        return f"loading {target.name} failed: {error}"
+    library.isa = isa
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    library.hf_dscale_linear_f32.restype = None
+    return library
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run on this machine, or None when it can (builds it on the first call)."""
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def isa() -> str | None:
+    """The vector extension the kernel was built for ("AVX512" or "AVX2"), or None where it cannot run."""
+    library = _library()
+    return None if isinstance(library, str) else library.isa
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear(x, weight, bias)` takes these tensors: float32 on the CPU, a row-major weight."""
+    return (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and x.dim() >= 2 and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by the kernel: x [..., K], weight [N, K] -> [..., N] (see `supports`)."""
+    library = _library()
+    if isinstance(library, str):
+        raise CpuLinearUnavailable(library)
+    if not supports(x, weight, bias):
+        raise ValueError(f"cpu_linear.linear takes float32 CPU tensors without gradients and a contiguous [N, K] "
+                         f"weight; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}.")
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        library.hf_dscale_linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n,
+                                     k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
+
+
+class CpuLinears:
+    """Runs `model`'s `nn.Linear` modules through the kernel while `active()`, for the inputs `supports` takes; any
+    other call runs the module as usual.
+
+    A forward pre-hook computes the product and hands the module an input of zero rows, so its own product costs
+    nothing; a forward hook, first in line, returns the kernel's result in place of the empty one. Call `remove()`
+    when done (the engine does at the end of each decode).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.on = False
+        self._results: dict[nn.Module, torch.Tensor] = {}
+        self._handles = []
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # not a subclass' own
+                self._handles.append(module.register_forward_pre_hook(self._before))
+                self._handles.append(module.register_forward_hook(self._after, prepend=True))
+
+    @property
+    def modules(self) -> int:
+        """How many modules the hooks cover."""
+        return len(self._handles) // 2
+
+    @contextlib.contextmanager
+    def active(self, on: bool = True):
+        before, self.on = self.on, on
+        try:
+            yield self
+        finally:
+            self.on = before
+            self._results.clear()
+
+    def _before(self, module: nn.Linear, args):
+        if not self.on or len(args) != 1:
+            return None
+        x = args[0]
+        if not supports(x, module.weight, module.bias):
+            return None
+        self._results[module] = linear(x, module.weight, module.bias)
+        return (x[..., :0, :],)
+
+    def _after(self, module: nn.Linear, args, output):
+        return self._results.pop(module, None)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `linear` computes, in torch."""
+    return F.linear(x, weight, bias)
