@@ -71,14 +71,17 @@ def _library() -> ctypes.CDLL | str:
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     target = _cache_folder() / f"cpu_linear-{isa.lower()}-{digest}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True,
-                                    text=True)
-            if result.returncode != 0:
-                return f"compiling {SOURCE.name} with {compiler} failed: {result.stderr.strip()[:300]}"
-            os.replace(built, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
+                built = Path(tmp) / target.name
+                result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True,
+                                        text=True)
+                if result.returncode != 0:
+                    return f"compiling {SOURCE.name} with {compiler} failed: {result.stderr.strip()[:300]}"
+                os.replace(built, target)
+        except OSError as error:  # a cache folder that cannot be written, a compiler that cannot be run
+            return f"building {target.name} in {target.parent} failed: {error}"
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:

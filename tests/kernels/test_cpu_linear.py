@@ -174,3 +174,19 @@ def test_greedy_decoding_through_the_kernel_equals_plain_generate(kind, batch, m
     assert torch.equal(ours, plain)
     assert calls  # the verifies ran the kernel
     assert not any(m._forward_pre_hooks for m in target.modules())  # and took its hooks off
+
+
+def test_a_cache_folder_that_cannot_be_written_is_reported(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_DSCALE_CACHE", str(blocker))  # the kernels folder would have to be inside a file
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("CC", "cc")
+    cpu_linear._library.cache_clear()
+    try:
+        why = cpu_linear.unavailable()
+    finally:
+        cpu_linear._library.cache_clear()
+    assert why is not None and why.startswith("building cpu_linear-avx2-") and "a-file" in why
