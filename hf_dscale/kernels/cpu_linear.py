@@ -32,7 +32,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
@@ -115,13 +114,19 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the kernel: x [..., K], weight [N, K] -> [..., N] (see `supports`)."""
-    library = _library()
-    if isinstance(library, str):
-        raise CpuLinearUnavailable(library)
+    why = unavailable()
+    if why is not None:
+        raise CpuLinearUnavailable(why)
     if not supports(x, weight, bias):
         raise ValueError(f"cpu_linear.linear takes float32 CPU tensors without gradients and a contiguous [N, K] "
                          f"weight; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}.")
+    return _run(x, weight, bias)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` once the kernel is loaded and `supports` took the tensors."""
+    library = _library()
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -144,6 +149,9 @@ class CpuLinears:
     """
 
     def __init__(self, model: nn.Module):
+        why = unavailable()
+        if why is not None:
+            raise CpuLinearUnavailable(why)
         self.on = False
         self._results: dict[nn.Module, torch.Tensor] = {}
         self._handles = []
@@ -158,8 +166,8 @@ class CpuLinears:
         return len(self._handles) // 2
 
     @contextlib.contextmanager
-    def active(self, on: bool = True):
-        before, self.on = self.on, on
+    def active(self):
+        before, self.on = self.on, True
         try:
             yield self
         finally:
@@ -172,7 +180,7 @@ class CpuLinears:
         x = args[0]
         if not supports(x, module.weight, module.bias):
             return None
-        self._results[module] = linear(x, module.weight, module.bias)
+        self._results[module] = _run(x, module.weight, module.bias)
         return (x[..., :0, :],)
 
     def _after(self, module: nn.Linear, args, output):
@@ -183,7 +191,3 @@ class CpuLinears:
             handle.remove()
         self._handles = []
 
-
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What `linear` computes, in torch."""
-    return F.linear(x, weight, bias)
