@@ -216,9 +216,12 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
       (`plan.compile_by_default`): `dscale-auto-compiled` (`custom_generate(compile=True)`) where the default is
       eager (a CPU), `dscale-auto-eager` (`compile=False`) where it compiles (a GPU);
     * on a CPU where hf_dscale's CPU kernel runs, `dscale-auto-no-cpu-kernel`: the plan's method with torch's
-      matrix products in every verify (`cpu_linear=False`).
+      matrix products in every verify (`cpu_linear=False`);
+    * where the direct forward runs the target, `dscale-auto-model-forward`: the plan's method verifying through the
+      target's own forward (`direct_forward=False`).
     """
     from .engine.plan import compile_by_default
+    from .generation import direct_forward
     from .kernels import cpu_linear
     from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 
@@ -249,6 +252,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
                      Peer("dscale-auto-compiled", dict(ours, compile=True), dscale=True))
     if next(target.parameters()).device.type == "cpu" and cpu_linear.unavailable() is None:
         peers.append(Peer("dscale-auto-no-cpu-kernel", dict(ours, cpu_linear=False), dscale=True))
+    if direct_forward.unavailable(target) is None:
+        peers.append(Peer("dscale-auto-model-forward", dict(ours, direct_forward=False), dscale=True))
     if vp_drafter is not None:
         peers.append(Peer("d2sd", dict(ours, vp_drafter=vp_drafter, num_branches=num_branches), dscale=True))
     return peers

@@ -78,21 +78,27 @@ def split_head_everywhere(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def cpu_kernel_everywhere(monkeypatch):
-    """Where hf_dscale's CPU kernel runs (x86-64 with AVX-512 and a C compiler), every eager verify a plan measures
-    uses it at every width: the measurement reads `cpu_like_costs` for it and 10% more for torch's products, so each
-    decode test checks the kernel's path, the costs a plan keeps are `cpu_like_costs` either way, and none depends on
-    a timing. Elsewhere plans keep torch's products, as they would. tests/kernels/test_cpu_linear.py tests the kernel
-    and the choice for real."""
-    monkeypatch.setattr(target_forward, "verify_costs_both", lambda target, transposed, widths, batch_size=1: (
-        {w: 1.1 * c for w, c in cpu_like_costs(max(widths)).items()}, cpu_like_costs(max(widths))))
+def fastest_ways_everywhere(monkeypatch):
+    """Every eager verify a plan measures runs the fastest way open to it: the direct forward where it runs the
+    target (the Llama-family targets here), hf_dscale's CPU kernel where it runs (x86-64 with AVX2 and a C
+    compiler). The measurement reads `cpu_like_costs` for the best way offered and 5-10% more for each step down
+    (the target's modules, torch's products), so each decode test checks those paths, the costs a plan keeps are
+    `cpu_like_costs` whichever ways run here, and none depends on a timing. tests/kernels/test_cpu_linear.py and
+    tests/generation/test_direct_forward.py measure for real."""
+    def costs(target, transposed, ways, widths, batch_size=1):
+        factor = {way: 1.0 + 0.1 * (not way.direct) + 0.05 * (not way.kernel) for way in ways}
+        best = min(factor.values())
+        return {way: {w: f / best * c for w, c in cpu_like_costs(max(widths)).items()} for way, f in factor.items()}
+
+    monkeypatch.setattr(target_forward, "verify_costs_ways", costs)
 
 
 def fix_verify_costs(monkeypatch, costs: dict[int, float]) -> None:
-    """Every plan measured in the test reads `costs` as its verify costs, with the CPU kernel's products or torch's
-    (the same: the plan keeps torch's)."""
+    """Every plan measured in the test reads `costs` as its verify costs, every way alike (a plan then keeps the
+    target's own forward with torch's products)."""
     monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: costs)
-    monkeypatch.setattr(target_forward, "verify_costs_both", lambda *args, **kwargs: (costs, costs))
+    monkeypatch.setattr(target_forward, "verify_costs_ways",
+                        lambda target, transposed, ways, *args, **kwargs: {way: costs for way in ways})
 
 
 FAMILIES = ("llama", "qwen3", "mistral", "qwen2", "phi3", "gemma2", "gemma3")

@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-linear", action=argparse.BooleanOptionalAction, default=None,
                    help="on a CPU, verify with hf_dscale's kernel for the matrix products, or torch's "
                         "(custom_generate(cpu_linear=...); default: whichever the plan measures cheaper per width)")
+    p.add_argument("--direct-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify by running the target's weights without its modules (Llama-family float32 targets), "
+                        "or through its own forward (custom_generate(direct_forward=...); default: whichever the "
+                        "plan measures cheaper per width)")
     add_cut_arg(p, tree=True)
     p.add_argument("--prompts", required=True, help="JSON lines with a `prompt` field (chat template applied)")
     p.add_argument("--limit", type=int, default=None)
@@ -102,6 +106,8 @@ def _method_options(args, target) -> dict:
         options |= dict(compile=args.compile)
     if args.cpu_linear is not None:
         options |= dict(cpu_linear=args.cpu_linear)
+    if args.direct_forward is not None:
+        options |= dict(direct_forward=args.direct_forward)
     return options
 
 

@@ -93,6 +93,12 @@ def parse_cut(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
 
 
+def _span(widths) -> str:
+    widths = list(widths)
+    return f"{widths[0]}-{widths[-1]}" if widths == list(range(widths[0], widths[-1] + 1)) else \
+        ", ".join(map(str, widths))
+
+
 def describe_plan(plan) -> str:
     """The engine's plan (`hf_dscale.engine.Plan`) in words, for the CLI's summary lines."""
     method = "a token tree" + (" with a prompt-lookup path" if plan.prompt_lookup else "") if plan.tree else "a chain"
@@ -105,11 +111,11 @@ def describe_plan(plan) -> str:
     verify = ""
     if plan.compile_widths is not None:
         verify = ", verified compiled"
-    elif plan.cpu_linear_widths:
-        widths = plan.cpu_linear_widths
-        span = f"{widths[0]}-{widths[-1]}" if list(widths) == list(range(widths[0], widths[-1] + 1)) else \
-            ", ".join(map(str, widths))
-        verify = f", verify products by hf_dscale's CPU kernel at {span} tokens"
+    else:
+        parts = [f"{what} at {_span(widths)} tokens" for what, widths in (
+            ("the target's weights run directly", plan.direct_widths),
+            ("products by hf_dscale's CPU kernel", plan.cpu_linear_widths)) if widths]
+        verify = f", verify: {'; '.join(parts)}" if parts else ""
     return f"{method}, {cut}{verify}"
 
 

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cpu-linear", action=argparse.BooleanOptionalAction, default=None,
                    help="on a CPU, verify with hf_dscale's kernel for the matrix products, or torch's "
                         "(custom_generate(cpu_linear=...); default: whichever the plan measures cheaper per width)")
+    p.add_argument("--direct-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify by running the target's weights without its modules (Llama-family float32 targets), "
+                        "or through its own forward (custom_generate(direct_forward=...); default: whichever the "
+                        "plan measures cheaper per width)")
     add_cut_arg(p)
     p.set_defaults(func=main)
 
@@ -59,6 +63,8 @@ def main(args) -> int:
         extra["compile"] = args.compile
     if args.cpu_linear is not None:
         extra["cpu_linear"] = args.cpu_linear
+    if args.direct_forward is not None:
+        extra["direct_forward"] = args.direct_forward
     if args.compile or (args.compile is None and compile_by_default(target.device)[0]):
         print("compiling the verify forward (once; tens of seconds on a CPU) ...", flush=True)
     result = bench_speculative(target, drafter, [("prompt", ids)], args.max_new_tokens, method,

@@ -54,9 +54,9 @@ class Engine:
                  do_sample: bool = False, streamer=None, capacity: int = 0):
         self.target, self.drafter, self.vp_drafter, self.plan, self.rows = target, drafter, vp_drafter, plan, rows
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
-        self.forward, self.cut = plan.forward(target), plan.cut()
-        self.attention = TargetAttention.of(target)
         layer_ids = tap_ids(drafter, vp_drafter)
+        self.forward, self.cut = plan.forward(target, layer_ids), plan.cut()
+        self.attention = TargetAttention.of(target)
         # A compiled verify (the plan's choice) needs fixed shapes: a cache of `capacity` columns, taps returned
         self.static = plan.static_verify(target, drafter, layer_ids) if capacity else None
         if self.static is not None:
@@ -222,7 +222,9 @@ class Engine:
 
     def latest_taps(self) -> torch.Tensor:
         """The tapped layers' outputs [B, N, T, H] for the N positions of the latest target forward."""
-        return self._taps if self.static is not None else self.recorder.taps()
+        if self.static is not None:
+            return self._taps
+        return self.forward.taps if self.forward.taps is not None else self.recorder.taps()
 
     def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int):
         """A compiled forward's mask: queries at `positions` [B, Q], written at columns start..start+Q, that see the

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from ..generation import direct_forward as direct_forward_module
 from ..generation import target_forward
 from ..kernels import cpu_linear as cpu_linear_kernel
 from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, cut_minimum, min_drafts_from,
@@ -52,6 +53,7 @@ class Plan:
     min_drafts: int | None  # a confidence cut keeps at least this many drafts (None: no confidence cut)
     transposed: tuple[int, ...] | None  # widths the verify applies the LM head transposed (None: the model's forward)
     cpu_linear_widths: tuple[int, ...] | None = None  # widths whose products run the CPU kernel (`kernels/cpu_linear`)
+    direct_widths: tuple[int, ...] | None = None  # widths run by `DirectForward` (the weights without the modules)
     verify_costs: dict[int, float] | None = None  # seconds of a verify of w tokens (anchor included), w = 1..max
     calibrate_s: float = 0.0  # what measuring cost
     compile_widths: tuple[int, ...] | None = None  # the verify runs compiled at these widths (None: eager)
@@ -75,10 +77,11 @@ class Plan:
             return DraftCut(costs=dict(self.verify_costs))
         return DraftCut(float(self.draft_confidence), self.min_drafts)
 
-    def forward(self, target: nn.Module) -> target_forward.TargetForward:
-        """The verify forward this plan chose for `target`."""
+    def forward(self, target: nn.Module, tap_ids=()) -> target_forward.TargetForward:
+        """The verify forward this plan chose for `target`, returning the layers `tap_ids` where it runs direct."""
         return target_forward.TargetForward(target, None if self.transposed is None else frozenset(self.transposed),
-                                            frozenset(self.cpu_linear_widths or ()))
+                                            frozenset(self.cpu_linear_widths or ()),
+                                            frozenset(self.direct_widths or ()), tap_ids)
 
     def static_verify(self, target: nn.Module, drafter: nn.Module, tap_ids: list[int]):
         """The compiled verify this plan chose (`compiled.StaticVerify`), or None for an eager one."""
@@ -99,6 +102,7 @@ class Plan:
         out["verify_path"] = self.verify_path
         out["transposed"] = None if self.transposed is None else list(self.transposed)
         out["cpu_linear_widths"] = None if self.cpu_linear_widths is None else list(self.cpu_linear_widths)
+        out["direct_widths"] = None if self.direct_widths is None else list(self.direct_widths)
         out["compile_widths"] = None if self.compile_widths is None else list(self.compile_widths)
         out["reasons"] = list(self.reasons)
         if self.verify_costs is not None:
@@ -115,7 +119,8 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
               do_sample: bool = False, tree: bool | None = None, prompt_lookup: bool | None = None,
               num_branches: int = 4, branch_policy: str = "ranked",
               draft_confidence: float | str | None = None, compile: bool | None = None,
-              compile_widths: tuple[int, ...] | None = None, cpu_linear: bool | None = None) -> Plan:
+              compile_widths: tuple[int, ...] | None = None, cpu_linear: bool | None = None,
+              direct_forward: bool | None = None) -> Plan:
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
     Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
@@ -128,9 +133,11 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     long or many generations. `compile=None` decides by device (`compile_by_default`): compiled on a GPU, falling
     back to an eager verify (logged, and in `Plan.reasons`) where compiling fails; eager on a CPU.
 
-    An eager verify on a CPU measures each width with torch's matrix products and with the CPU kernel's
-    (`kernels/cpu_linear.py`, built on first use) and keeps the cheaper (`Plan.cpu_linear_widths`); `cpu_linear=False`
-    keeps torch's, `cpu_linear=True` fails where the kernel cannot run.
+    An eager verify measures each width every way it can run and keeps the cheapest: through the target's modules
+    or `DirectForward` (its weights without the modules, for Llama-family float32 targets it probes equal;
+    `Plan.direct_widths`), with torch's matrix products or, on a CPU, the CPU kernel's (`kernels/cpu_linear.py`,
+    built on first use; `Plan.cpu_linear_widths`). `cpu_linear=False` / `direct_forward=False` leave a way out,
+    `True` fails where it cannot run.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -172,7 +179,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         reasons.append(why)
     compiled = _compiled_costs(target, drafter, vp_drafter, compile_widths or (max_width,), batch_size,
                                by_default, reasons) if compile else None
-    transposed, kernel_widths, compile_widths, compile_s = None, None, None, 0.0
+    transposed, kernel_widths, direct_widths, compile_widths, compile_s = None, None, None, None, 0.0
     if compiled is not None:  # a compiled verify fuses its head in the graph: no split head
         compile_widths, costs, compile_s = compiled
         max_width = compile_widths[-1]
@@ -188,19 +195,19 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         reasons.append(f"LM head applied transposed at widths {list(transposed)}" if transposed else
                        "verify with the target's own forward")
         split = None if transposed is None else frozenset(transposed)
-        why_not = _cpu_linear_unavailable(target, cpu_linear)
-        if why_not is None:
-            kernel_widths, costs = _cpu_linear_costs(target, split, max_width, batch_size, reasons)
+        ways = _eager_ways(target, cpu_linear, direct_forward, reasons)
+        if len(ways) > 1:
+            kernel_widths, direct_widths, costs = _eager_costs(target, split, ways, max_width, batch_size, reasons)
             if confidence == AUTO:
                 cut = DraftCut(costs=costs)
-            else:  # a confidence cut's minimum, measured as without the kernel, through the forward chosen here
-                forward = target_forward.TargetForward(target, split, frozenset(kernel_widths or ()))
+            else:  # a confidence cut's minimum, measured as for the target's own forward, through the one chosen here
+                forward = target_forward.TargetForward(target, split, frozenset(kernel_widths or ()),
+                                                       frozenset(direct_widths or ()))
                 try:
                     cut = DraftCut(confidence, cut_minimum(target, confidence, forward))
                 finally:
                     forward.close()
         else:
-            reasons.append(f"verify products by torch: {why_not}")
             forward = target_forward.TargetForward(target, split)
             cut = DraftCut.for_target(target, confidence, max_width, batch_size, forward)  # measures what it needs
     if cut.costs is not None:
@@ -210,7 +217,8 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         reasons.append(f"draft_confidence {confidence}: at least {cut.minimum} drafts (the widest cheap verify)")
     return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
                 num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
-                min_drafts=cut.minimum, transposed=transposed, cpu_linear_widths=kernel_widths, verify_costs=cut.costs,
+                min_drafts=cut.minimum, transposed=transposed, cpu_linear_widths=kernel_widths,
+                direct_widths=direct_widths, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
                 compile_s=compile_s, reasons=tuple(reasons))
 
@@ -230,19 +238,54 @@ def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | Non
     return why
 
 
-def _cpu_linear_costs(target: nn.Module, transposed: frozenset[int] | None, max_width: int, batch_size: int,
-                      reasons: list[str]) -> tuple[tuple[int, ...] | None, dict[int, float]]:
-    """Each verify width measured with torch's products and with the CPU kernel's: (the widths where the kernel is
-    cheaper, or None; the cheaper cost of each width)."""
+def _direct_unavailable(target: nn.Module, wanted: bool | None) -> str | None:
+    """Why a verify of `target` cannot run `DirectForward` (None: it can); raises if `wanted` is True and it cannot."""
+    why = "direct_forward=False" if wanted is False else direct_forward_module.unavailable(target)
+    if wanted and why is not None:
+        raise RuntimeError(f"direct_forward=True, but the direct forward cannot run {type(target).__name__}: {why}. "
+                           "Pass direct_forward=None (measure) or False.")
+    return why
+
+
+def _eager_ways(target: nn.Module, cpu_linear: bool | None, direct_forward: bool | None,
+                reasons: list[str]) -> tuple[target_forward.Way, ...]:
+    """The ways an eager verify of `target` can run, the target's own forward with torch's products first. Where the
+    direct forward runs, the target's forward with the kernel is left out: the direct forward runs the same products
+    with less around them."""
+    Way = target_forward.Way
+    no_kernel, no_direct = _cpu_linear_unavailable(target, cpu_linear), _direct_unavailable(target, direct_forward)
+    if no_kernel is not None:
+        reasons.append(f"verify products by torch: {no_kernel}")
+    if no_direct is not None:
+        reasons.append(f"verify through the target's modules: {no_direct}")
+    if no_direct is None:
+        return (Way(False, False), Way(True, False)) + ((Way(True, True),) if no_kernel is None else ())
+    return (Way(False, False),) + ((Way(False, True),) if no_kernel is None else ())
+
+
+def _span(widths) -> str:
+    widths = list(widths)
+    return f"{widths[0]}-{widths[-1]}" if widths == list(range(widths[0], widths[-1] + 1)) else \
+        ", ".join(map(str, widths))
+
+
+def _eager_costs(target: nn.Module, transposed: frozenset[int] | None, ways, max_width: int, batch_size: int,
+                 reasons: list[str]) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, dict[int, float]]:
+    """Each verify width measured every way: (the widths whose cheapest way uses the CPU kernel, or None; those it
+    runs direct, or None; the cheapest cost of each width). Ties keep the earlier way."""
     widths = range(1, max_width + 1)
-    torch_costs, kernel_costs = target_forward.verify_costs_both(target, transposed, widths, batch_size)
-    chosen = tuple(w for w in widths if kernel_costs[w] < torch_costs[w])
-    top = max_width
-    reasons.append(f"CPU kernel ({cpu_linear_kernel.isa()}) for the verify's products at widths {list(chosen)} (a "
-                   f"verify of {top} tokens: "
-                   f"{1e3 * kernel_costs[top]:.1f} ms against {1e3 * torch_costs[top]:.1f} ms with torch's)"
-                   if chosen else "verify products by torch: the CPU kernel measured no cheaper at any width")
-    return chosen or None, {w: min(torch_costs[w], kernel_costs[w]) for w in widths}
+    costs = target_forward.verify_costs_ways(target, transposed, ways, widths, batch_size)
+    best = {w: min(ways, key=lambda way: costs[way][w]) for w in widths}
+    kernel = tuple(w for w in widths if best[w].kernel)
+    direct = tuple(w for w in widths if best[w].direct)
+    top, own = max_width, ways[0]
+    for chosen, what in ((direct, "direct forward (the target's weights without its modules)"),
+                         (kernel, f"CPU kernel ({cpu_linear_kernel.isa()}) for the verify's products")):
+        if chosen:
+            reasons.append(f"{what} at widths {_span(chosen)}")
+    reasons.append(f"a verify of {top} tokens: {1e3 * costs[best[top]][top]:.1f} ms by {best[top]}, against "
+                   f"{1e3 * costs[own][top]:.1f} ms by {own}")
+    return kernel or None, direct or None, {w: costs[best[w]][w] for w in widths}
 
 
 def compile_by_default(device: torch.device) -> tuple[bool, str]:

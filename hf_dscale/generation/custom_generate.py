@@ -39,6 +39,7 @@ def generate(
     prompt_lookup: bool | None = None,
     compile: bool | None = None,
     cpu_linear: bool | None = None,
+    direct_forward: bool | None = None,
     plan=None,
     streamer_=None,
     dscale_stats=None,
@@ -81,6 +82,11 @@ def generate(
             where MKL's SGEMM at 4-16 tokens costs up to twice a one-token product). Default: measured per verify
             width once per target, kept where cheaper; False: torch's products; True: fail where the kernel cannot
             run (it needs x86-64 with AVX-512 and a C compiler, and compiles itself once into the cache folder).
+        direct_forward: whether an eager verify may run the target's weights layer by layer without its modules
+            (`hf_dscale.generation.direct_forward`: the same ops, in one loop; about a third of a small model's CPU
+            verify is transformers' module machinery). Default: for float32 Llama-family targets whose forward a
+            probe shows equal, measured per verify width once per target, kept where cheaper; False: the target's
+            own forward; True: fail where it cannot run.
         plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
             target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).
@@ -106,7 +112,7 @@ def generate(
                               cache=compat.find_cache(model_kwargs), streamer=streamer_, tree_kernel=tree_kernel,
                               tree=draft_tree, num_branches=num_branches, branch_policy=branch_policy,
                               draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, compile=compile,
-                              cpu_linear=cpu_linear)
+                              cpu_linear=cpu_linear, direct_forward=direct_forward)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

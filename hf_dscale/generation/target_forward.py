@@ -15,14 +15,16 @@ the target's own forward already does at other widths, so greedy decoding keeps 
 `generate()` on the same terms as before (the benches check it: `identical`).
 
 At the widths in `Plan.cpu_linear_widths` every float32 product of the verify, the head's included, runs the CPU
-kernel of `kernels/cpu_linear.py` instead, which reads each weight once for all the verify's tokens; `calibrate`
-measures both ways per width (`verify_costs_both`) and keeps the cheaper.
+kernel of `kernels/cpu_linear.py` instead, which reads each weight once for all the verify's tokens, and at the
+widths in `Plan.direct_widths` the forward runs the target's weights without its modules (`direct_forward.py`);
+`calibrate` measures the ways per width (`verify_costs_ways`) and keeps the cheapest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ from torch import nn
 from ..kernels import cpu_linear
 from ..models.dscale import compat
 from ..models.dscale.assistant import median_seconds
+from .direct_forward import DirectForward
 
 class TargetForward:
     """`forward(cache=None, **kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs, with
@@ -38,15 +41,24 @@ class TargetForward:
 
     `transposed` None: the target's own forward; else the split head (base model, then the head, transposed at
     the widths in `transposed`). `cpu_linear_widths`: the widths T whose products run the CPU kernel (hooks on the
-    target's `nn.Linear` modules while such a forward runs; `close()` takes them off).
+    target's `nn.Linear` modules while such a forward runs; `close()` takes them off). `direct_widths`: the widths
+    run by `direct_forward.DirectForward` instead of the target's modules; such a forward also returns the outputs
+    of the layers `tap_ids` in `taps` ([B, T, L, H]; None after a forward through the modules, whose hooks record
+    them).
     """
 
     def __init__(self, target: nn.Module, transposed: frozenset[int] | None = None,
-                 cpu_linear_widths: frozenset[int] | None = None):
+                 cpu_linear_widths: frozenset[int] | None = None, direct_widths: frozenset[int] | None = None,
+                 tap_ids=()):
         self.target = target
         self.transposed = transposed
         self.cpu_linear_widths = cpu_linear_widths or frozenset()
-        self._linears = cpu_linear.CpuLinears(target) if self.cpu_linear_widths else None
+        self.direct_widths = direct_widths or frozenset()
+        self.tap_ids = tuple(tap_ids)
+        self.taps = None
+        hooked = self.cpu_linear_widths - self.direct_widths  # the direct forward calls the kernel itself
+        self._linears = cpu_linear.CpuLinears(target) if hooked else None
+        self._direct = DirectForward(target) if self.direct_widths else None
 
     @property
     def kind(self) -> str:
@@ -54,11 +66,18 @@ class TargetForward:
         return "model" if self.transposed is None else "split-head"
 
     def __call__(self, cache=None, **kwargs) -> torch.Tensor:
+        width = kwargs["input_ids"].shape[1]
+        kernel = width in self.cpu_linear_widths
+        if width in self.direct_widths:
+            logits, self.taps = self._direct(
+                kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                cache if kwargs.get("use_cache", True) else None, kernel=kernel,
+                transposed=self.transposed is not None and width in self.transposed, tap_ids=self.tap_ids)
+            return logits
+        self.taps = None
         module = self.target if self.transposed is None else self.target.base_model
         if cache is not None:
             kwargs.update(compat.cache_kwargs(module, cache))
-        width = kwargs["input_ids"].shape[1]
-        kernel = width in self.cpu_linear_widths
         with self._linears.active() if kernel else contextlib.nullcontext():
             if self.transposed is None:
                 return module(**kwargs).logits
@@ -73,7 +92,7 @@ class TargetForward:
         if self._linears is not None:
             self._linears.remove()
             self._linears = None
-            self.cpu_linear_widths = frozenset()
+        self.cpu_linear_widths = self.direct_widths = frozenset()
 
 
 def apply_head(head: nn.Linear, hidden: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -118,20 +137,34 @@ def faster_transposed(head: nn.Linear, widths, batch_size: int = 1, repeats: int
     return {width for width in widths if median[(width, True)] < median[(width, False)]}
 
 
+@dataclass(frozen=True)
+class Way:
+    """How a verify forward runs: through `DirectForward` or the target's modules; products by the CPU kernel or
+    torch."""
+
+    direct: bool
+    kernel: bool
+
+    def __str__(self) -> str:
+        return f"{'direct forward' if self.direct else 'model forward'}, " \
+               f"{'CPU kernel' if self.kernel else 'torch'} products"
+
+
 @torch.no_grad()
-def verify_costs_both(target: nn.Module, transposed: frozenset[int] | None, widths, batch_size: int = 1,
-                      repeats: int = 3, clock=time.perf_counter) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds of a verify forward of each of `widths` tokens with torch's products and with the CPU kernel's, as
-    `verify_costs` measures them, the two interleaved so that a slow spell of the machine hits both alike."""
-    eager = TargetForward(target, transposed)
-    kernel = TargetForward(target, transposed, frozenset(widths))
+def verify_costs_ways(target: nn.Module, transposed: frozenset[int] | None, ways, widths, batch_size: int = 1,
+                      repeats: int = 3, clock=time.perf_counter) -> dict[Way, dict[int, float]]:
+    """Seconds of a verify forward of each of `widths` tokens by each of `ways`, as `verify_costs` measures them,
+    interleaved so that a slow spell of the machine hits every way alike."""
+    forwards = {way: TargetForward(target, transposed, frozenset(widths) if way.kernel else None,
+                                   frozenset(widths) if way.direct else None) for way in ways}
     try:
         ids = torch.zeros(batch_size, max(widths), dtype=torch.long, device=next(target.parameters()).device)
-        for forward in (eager, kernel):  # warm-up
+        for forward in forwards.values():  # warm-up
             forward(input_ids=ids[:, :2], use_cache=False)
-        jobs = {(w, forward is kernel): (lambda w=w, forward=forward: forward(input_ids=ids[:, :w], use_cache=False))
-                for w in widths for forward in (eager, kernel)}
+        jobs = {(w, way): (lambda w=w, forward=forward: forward(input_ids=ids[:, :w], use_cache=False))
+                for w in widths for way, forward in forwards.items()}
         median = median_seconds(jobs, repeats, clock)
     finally:
-        kernel.close()
-    return {w: median[(w, False)] for w in widths}, {w: median[(w, True)] for w in widths}
+        for forward in forwards.values():
+            forward.close()
+    return {way: {w: median[(w, way)] for w in widths} for way in ways}

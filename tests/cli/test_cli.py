@@ -60,6 +60,7 @@ def test_bench_writes_the_contract_keys(folders, tmp_path, capsys):
     assert report["verify_costs_ms"] == {str(w): round(1000 * s, 2) for w, s in cpu_like_costs(block_size).items()}
     kernel = cpu_linear.unavailable() is None  # the conftest makes the kernel the cheaper wherever it runs
     assert report["plan"]["cpu_linear_widths"] == (list(range(1, block_size + 1)) if kernel else None)
+    assert report["plan"]["direct_widths"] == list(range(1, block_size + 1))  # the conftest makes it the cheaper
     assert report["min_drafts"] is None
     # the verify path the run took (the conftest makes every width transposed wherever the probe allows it)
     assert report["verify_forward"] == "split-head"
@@ -112,6 +113,7 @@ def test_bench_peers_side_by_side(folders, tmp_path, capsys):
     names += ["transformers-dflash", "transformers-dflash-static"] if native_dflash_reads_layer_outputs() else []
     names += ["assistant_model", "dscale-auto", "dscale", "dscale-tree", "dscale-tree-lookup"]
     names += ["dscale-auto-no-cpu-kernel"] if cpu_linear.unavailable() is None else []  # where the kernel runs
+    names += ["dscale-auto-model-forward"]  # the direct forward runs Qwen3
     names += ["d2sd"]
     assert set(report["refused"]) <= {"transformers-dflash-static"}  # only where the installed transformers refuses it
     names = [n for n in names if n not in report["refused"]]

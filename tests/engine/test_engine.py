@@ -43,9 +43,9 @@ def test_plan_for_measures_once_per_target_and_options(monkeypatch):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     calls = []
-    real, real_both = assistant.verify_costs_for, target_forward.verify_costs_both
+    real, real_ways = assistant.verify_costs_for, target_forward.verify_costs_ways
     monkeypatch.setattr(assistant, "verify_costs_for", lambda *a, **k: calls.append(a) or real(*a, **k))
-    monkeypatch.setattr(target_forward, "verify_costs_both", lambda *a, **k: calls.append(a) or real_both(*a, **k))
+    monkeypatch.setattr(target_forward, "verify_costs_ways", lambda *a, **k: calls.append(a) or real_ways(*a, **k))
     first = plan_for(target, drafter, batch_size=1)
     assert plan_for(target, drafter, batch_size=1) is first and len(calls) == 1
     assert plan_for(target, drafter, batch_size=2) is not first and len(calls) == 2  # costs are per batch size

@@ -16,7 +16,7 @@ from hf_dscale.kernels import cpu_linear
 from tests.conftest import tiny_drafter, tiny_target
 
 WHY_NOT = cpu_linear.unavailable()
-REAL_VERIFY_COSTS_BOTH = target_forward.verify_costs_both  # the conftest replaces it in every test
+REAL_VERIFY_COSTS_WAYS = target_forward.verify_costs_ways  # the conftest replaces it in every test
 needs_kernel = pytest.mark.skipif(WHY_NOT is not None, reason=f"the CPU kernel cannot run here: {WHY_NOT}")
 
 
@@ -127,28 +127,31 @@ def test_the_plan_keeps_the_kernel_at_the_widths_it_measures_cheaper(monkeypatch
     drafter = tiny_drafter(target)
     widths_seen = []
 
-    def costs(target, transposed, widths, batch_size=1):  # the kernel cheaper from 4 tokens on
+    def costs(target, transposed, ways, widths, batch_size=1):  # the kernel cheaper from 4 tokens on
         widths_seen.append(list(widths))
-        return {w: 1.0 + 0.1 * w for w in widths}, {w: (0.5 if w >= 4 else 2.0) + 0.1 * w for w in widths}
+        assert [way.kernel for way in ways] == [False, True]
+        return {way: {w: ((0.5 if w >= 4 else 2.0) if way.kernel else 1.0) + 0.1 * w for w in widths}
+                for way in ways}
 
-    monkeypatch.setattr(target_forward, "verify_costs_both", costs)
-    plan = calibrate(target, drafter)
+    monkeypatch.setattr(target_forward, "verify_costs_ways", costs)
+    plan = calibrate(target, drafter, direct_forward=False)  # the kernel against torch, in the target's forward
     assert widths_seen == [list(range(1, drafter.config.block_size + 1))]
     assert plan.cpu_linear_widths == tuple(range(4, drafter.config.block_size + 1))
     assert plan.verify_costs == {w: min(1.0, (0.5 if w >= 4 else 2.0)) + 0.1 * w
                                  for w in range(1, drafter.config.block_size + 1)}
     assert plan.to_dict()["cpu_linear_widths"] == list(plan.cpu_linear_widths)
-    off = calibrate(target, drafter, cpu_linear=False)
+    off = calibrate(target, drafter, cpu_linear=False, direct_forward=False)
     assert off.cpu_linear_widths is None and "verify products by torch: cpu_linear=False" in off.reasons
     assert len(widths_seen) == 1  # cpu_linear=False measures nothing twice
 
 
 @needs_kernel
-def test_both_ways_are_measured_interleaved_and_the_hooks_come_off():
+def test_every_way_is_measured_and_the_hooks_come_off():
     target = tiny_target("llama")
-    torch_costs, kernel_costs = REAL_VERIFY_COSTS_BOTH(target, None, range(1, 5), repeats=1)
-    assert sorted(torch_costs) == sorted(kernel_costs) == [1, 2, 3, 4]
-    assert all(c > 0 for c in (*torch_costs.values(), *kernel_costs.values()))
+    ways = [target_forward.Way(direct, kernel) for direct in (False, True) for kernel in (False, True)]
+    costs = REAL_VERIFY_COSTS_WAYS(target, None, ways, range(1, 5), repeats=1)
+    assert list(costs) == ways and all(sorted(c) == [1, 2, 3, 4] for c in costs.values())
+    assert all(c > 0 for way in ways for c in costs[way].values())
     assert not any(m._forward_pre_hooks for m in target.modules())
 
 
