@@ -106,6 +106,31 @@ def unavailable(target: nn.Module, width: int = 5) -> str | None:
     return None
 
 
+class _Layer:
+    """One decoder layer's parameters, read once: norms as (weight, eps), projections as (weight, bias)."""
+
+    def __init__(self, layer: nn.Module, kind: str | None):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.kind, self.head_dim, self.scaling = kind, attention.head_dim, attention.scaling
+        self.norms = [(n.weight, _norm_eps(n)) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.head_norms = [None if getattr(attention, n, None) is None else
+                           (getattr(attention, n).weight, _norm_eps(getattr(attention, n))) for n in ("q_norm", "k_norm")]
+        self.qkv = [(m.weight, m.bias) for m in (attention.q_proj, attention.k_proj, attention.v_proj)]
+        self.qkv_sizes = [w.shape[0] for w, _ in self.qkv]
+        self.o = (attention.o_proj.weight, attention.o_proj.bias)
+        self.gate_up = [(m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj)]
+        self.down = (mlp.down_proj.weight, mlp.down_proj.bias)
+        self.act = mlp.act_fn
+
+
+def _products(x: torch.Tensor, linears, kernel: bool) -> torch.Tensor:
+    """The products of x with each (weight, bias), side by side in the last dimension."""
+    if kernel:
+        return cpu_linear._run_many(x, [w for w, _ in linears], [b for _, b in linears])
+    outs = [F.linear(x, w, b) for w, b in linears]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
 class DirectForward:
     """`forward(input_ids, attention_mask, position_ids, cache, ...)` -> (logits [B, T, V], taps [B, T, L, H] or
     None) for a target `unavailable` accepts, computed from its parameters directly.
@@ -113,9 +138,10 @@ class DirectForward:
     `attention_mask`: a 2D padding mask over the cache's columns and the new tokens (the new tokens then attend
     causally), or the 4D additive masks `generation/masks.py` builds (one tensor, or one per `config.layer_types`
     kind). `cache`: a `DynamicCache` the new keys and values are appended to (`cache.update`), or None (the tokens
-    see only each other). `kernel`: the products by `cpu_linear` (else `F.linear`); `transposed`: the LM head in
-    `target_forward.apply_head`'s transposed layout (torch's products only). `tap_ids`: the layers whose outputs
-    come back as taps, as the engine's `TapRecorder` records them.
+    see only each other). `kernel`: the products by `cpu_linear` (a layer's q, k and v in one pass, its gate and up
+    in another), else `F.linear`; `transposed`: the LM head in `target_forward.apply_head`'s transposed layout
+    (torch's products only). `tap_ids`: the layers whose outputs come back as taps, as the engine's `TapRecorder`
+    records them.
     """
 
     def __init__(self, target: nn.Module):
@@ -124,22 +150,20 @@ class DirectForward:
         self.head = target.get_output_embeddings()
         config = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") \
             else target.config
-        self.layer_types = getattr(config, "layer_types", None)
+        kinds = getattr(config, "layer_types", None) or [None] * len(self.base.layers)
+        self.layers = [_Layer(layer, kind) for layer, kind in zip(self.base.layers, kinds)]
         self.hidden = self.base.embed_tokens.embedding_dim
+        self.final_norm = (self.base.norm.weight, _norm_eps(self.base.norm))
 
-    def _product(self, x: torch.Tensor, linear: nn.Linear, kernel: bool) -> torch.Tensor:
-        if kernel:
-            return cpu_linear._run(x, linear.weight, linear.bias)
-        return F.linear(x, linear.weight, linear.bias)
-
-    def _masks(self, attention_mask, q: int, s: int):
-        """Per layer kind, the mask SDPA takes: bool [B, 1, Q, S + Q] from a 2D mask, else the 4D masks given."""
+    def _masks(self, attention_mask, q: int, s: int, dtype: torch.dtype):
+        """The additive mask SDPA takes ([B, 1, Q, S + Q]) from a 2D padding mask, else the 4D masks given."""
         if isinstance(attention_mask, dict) or attention_mask.dim() == 4:
             return attention_mask
         new = torch.ones(q, q, dtype=torch.bool, device=attention_mask.device).tril()
         b = attention_mask.shape[0]
         allowed = torch.cat((attention_mask[:, None, :s].bool().expand(b, q, s), new.expand(b, q, q)), dim=2)
-        return allowed[:, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)[:, None]
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids: torch.Tensor | None = None,
                  cache=None, kernel: bool = False, transposed: bool = False, tap_ids=()):
@@ -149,22 +173,22 @@ class DirectForward:
             position_ids = torch.arange(s, s + q, device=input_ids.device)[None].expand(b, q)
         if attention_mask is None:
             attention_mask = torch.ones(b, s + q, dtype=torch.long, device=input_ids.device)
-        masks = self._masks(attention_mask, q, s)
         x = self.base.embed_tokens(input_ids)  # [B, Q, H]
+        masks = self._masks(attention_mask, q, s, x.dtype)
         cos, sin = self.base.rotary_emb(x, position_ids)  # [B, Q, D] each
         cos, sin = cos[:, None], sin[:, None]
         taps, wanted = [None] * len(tap_ids), {layer: slot for slot, layer in enumerate(tap_ids)}
-        for i, layer in enumerate(self.base.layers):
-            mask = masks[self.layer_types[i]] if isinstance(masks, dict) else masks
-            x = x + self._attention(layer, x, cos, sin, mask, cache, i, kernel)
-            norm = layer.post_attention_layernorm
-            h = F.rms_norm(x, (self.hidden,), norm.weight, _norm_eps(norm))
-            mlp = layer.mlp
-            x = x + self._product(mlp.act_fn(self._product(h, mlp.gate_proj, kernel)) *
-                                  self._product(h, mlp.up_proj, kernel), mlp.down_proj, kernel)
+        shape = (self.hidden,)
+        for i, layer in enumerate(self.layers):
+            mask = masks[layer.kind] if isinstance(masks, dict) else masks
+            h = F.rms_norm(x, shape, *layer.norms[0])
+            x = x + self._attention(layer, h, cos, sin, mask, cache, i, kernel)
+            h = F.rms_norm(x, shape, *layer.norms[1])
+            gate, up = _products(h, layer.gate_up, kernel).split(layer.gate_up[0][0].shape[0], dim=-1)
+            x = x + _products(layer.act(gate) * up, [layer.down], kernel)
             if i in wanted:
                 taps[wanted[i]] = x
-        x = F.rms_norm(x, (self.hidden,), self.base.norm.weight, _norm_eps(self.base.norm))
+        x = F.rms_norm(x, shape, *self.final_norm)
         if kernel:
             logits = cpu_linear._run(x, self.head.weight, self.head.bias)
         else:
@@ -173,24 +197,20 @@ class DirectForward:
             logits = apply_head(self.head, x, transposed)
         return logits, (torch.stack(taps, dim=2) if tap_ids else None)
 
-    def _attention(self, layer: nn.Module, x, cos, sin, mask, cache, index: int, kernel: bool) -> torch.Tensor:
-        attention, norm = layer.self_attn, layer.input_layernorm
-        b, q, _ = x.shape
-        h = F.rms_norm(x, (self.hidden,), norm.weight, _norm_eps(norm))
-        d = attention.head_dim
-        heads = [self._product(h, getattr(attention, name), kernel).view(b, q, -1, d)
-                 for name in ("q_proj", "k_proj", "v_proj")]  # [B, Q, heads, D] each
-        for j, name in enumerate(("q_norm", "k_norm")):
-            head_norm = getattr(attention, name, None)
-            if head_norm is not None:
-                heads[j] = F.rms_norm(heads[j], (d,), head_norm.weight, _norm_eps(head_norm))
+    def _attention(self, layer: _Layer, h, cos, sin, mask, cache, index: int, kernel: bool) -> torch.Tensor:
+        b, q, _ = h.shape
+        d = layer.head_dim
+        heads = [t.view(b, q, -1, d) for t in _products(h, layer.qkv, kernel).split(layer.qkv_sizes, dim=-1)]
+        for j, norm in enumerate(layer.head_norms):  # [B, Q, heads, D] each
+            if norm is not None:
+                heads[j] = F.rms_norm(heads[j], (d,), *norm)
         query, key, value = (t.transpose(1, 2) for t in heads)  # [B, heads, Q, D]
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, index)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
-        return self._product(out.transpose(1, 2).reshape(b, q, -1), attention.o_proj, kernel)
+        return _products(out.transpose(1, 2).reshape(b, q, -1), [layer.o], kernel)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

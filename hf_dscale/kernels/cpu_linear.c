@@ -148,19 +148,44 @@ static inline void tile(const float *x, int64_t ldx, const float *w, const float
 }
 #endif
 
+/* Tile t of w [N, K] (TILE_N rows each): every 4-row group of x against it, prefetching the tile after next. */
+static inline void column_tile(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+                               int64_t M, int64_t N, int64_t K, int64_t t, int64_t per_step) {
+    const char *end = (const char *)(w + N * K);
+    const int64_t n0 = TILE_N * t, nr = N - n0 < TILE_N ? N - n0 : TILE_N;
+    const int64_t ahead = n0 + 2 * TILE_N;  /* the tile after next */
+    const char *prefetch = ahead < N ? (const char *)(w + ahead * K) : end;
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+        tile(x, ldx, w, bias, K, y, ldy, M, m0, n0, nr, &prefetch, end, per_step);
+}
+
+static inline int64_t prefetch_per_step(int64_t M, int64_t K) {
+    const int64_t steps = ((M + 3) / 4) * ((K + VEC - 1) / VEC);
+    const int64_t lines = (TILE_N * K * (int64_t)sizeof(float) + 63) / 64;  /* cache lines of one tile of w */
+    return (lines + steps - 1) / steps;
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K].T + bias [N] (or NULL), on `threads` threads. */
 void hf_dscale_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
                           int64_t M, int64_t N, int64_t K, int threads) {
-    const int64_t tiles = (N + TILE_N - 1) / TILE_N, steps = ((M + 3) / 4) * ((K + VEC - 1) / VEC);
-    const int64_t lines = (TILE_N * K * (int64_t)sizeof(float) + 63) / 64;  /* cache lines of one tile of w */
-    const int64_t per_step = (lines + steps - 1) / steps;
-    const char *end = (const char *)(w + N * K);
+    const int64_t tiles = (N + TILE_N - 1) / TILE_N, per_step = prefetch_per_step(M, K);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = TILE_N * t, nr = N - n0 < TILE_N ? N - n0 : TILE_N;
-        const int64_t ahead = n0 + 2 * TILE_N;  /* the tile after next */
-        const char *prefetch = ahead < N ? (const char *)(w + ahead * K) : end;
-        for (int64_t m0 = 0; m0 < M; m0 += 4)
-            tile(x, ldx, w, bias, K, y, ldy, M, m0, n0, nr, &prefetch, end, per_step);
+    for (int64_t t = 0; t < tiles; t++)
+        column_tile(x, ldx, w, bias, y, ldy, M, N, K, t, per_step);
+}
+
+/* The products of one x with `count` weights in one parallel pass (a layer's q, k and v, or its gate and up):
+ * y[i] [M, N[i]] (row stride ldy) = x @ w[i].T + bias[i]. The threads split all the weights' tiles together. */
+void hf_dscale_linear_many_f32(const float *x, int64_t ldx, int count, const float *const *w,
+                               const float *const *bias, float *const *y, int64_t ldy, const int64_t *N, int64_t M,
+                               int64_t K, int threads) {
+    int64_t first[9] = {0};  /* first[i]: matrix i's first tile in the joint numbering (count <= 8) */
+    for (int i = 0; i < count; i++) first[i + 1] = first[i] + (N[i] + TILE_N - 1) / TILE_N;
+    const int64_t per_step = prefetch_per_step(M, K);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < first[count]; t++) {
+        int i = 0;
+        while (t >= first[i + 1]) i++;
+        column_tile(x, ldx, w[i], bias[i], y[i], ldy, M, N[i], K, t - first[i], per_step);
     }
 }

@@ -89,6 +89,9 @@ def _library() -> ctypes.CDLL | str:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     library.hf_dscale_linear_f32.restype = None
+    library.hf_dscale_linear_many_f32.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64,
+                                                  ctypes.c_int]
+    library.hf_dscale_linear_many_f32.restype = None
     return library
 
 
@@ -137,6 +140,46 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n,
                                      k, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
+
+
+MAX_MANY = 8  # weights `_run_many` takes in one pass
+
+
+def linear_many(x: torch.Tensor, weights, biases=None) -> torch.Tensor:
+    """`torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)` by the kernel in one parallel pass
+    (up to 8 weights of the same K, see `supports`): x [..., K] -> [..., sum N]."""
+    why = unavailable()
+    if why is not None:
+        raise CpuLinearUnavailable(why)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    if not 1 <= len(weights) <= MAX_MANY or len(biases) != len(weights) or \
+            not all(supports(x, w, b) for w, b in zip(weights, biases)):
+        raise ValueError(f"cpu_linear.linear_many takes 1 to {MAX_MANY} contiguous [N, K] weights (and as many "
+                         f"biases or None) for float32 CPU tensors without gradients; got {len(weights)} weights of "
+                         f"shapes {[tuple(w.shape) for w in weights]} for x {tuple(x.shape)} {x.dtype}.")
+    return _run_many(x, weights, biases)
+
+
+def _run_many(x: torch.Tensor, weights, biases) -> torch.Tensor:
+    """`linear_many` once the kernel is loaded and `supports` took the tensors."""
+    library = _library()
+    k = weights[0].shape[1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    sizes = [w.shape[0] for w in weights]
+    out = torch.empty(rows.shape[0], sum(sizes), dtype=torch.float32)
+    if rows.shape[0]:
+        count, pointers = len(weights), ctypes.c_void_p * len(weights)
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        library.hf_dscale_linear_many_f32(
+            rows.data_ptr(), rows.stride(0), count, pointers(*(w.data_ptr() for w in weights)),
+            pointers(*(None if b is None else b.data_ptr() for b in biases)),
+            pointers(*(out.data_ptr() + 4 * start for start in starts)), out.shape[1],
+            (ctypes.c_int64 * count)(*sizes), rows.shape[0], k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 class CpuLinears:

@@ -47,6 +47,25 @@ def test_kernel_sums_as_torch_does(n, k, threads, isa, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_several_products_in_one_pass_sum_as_torch_does(threads, isa, monkeypatch):
+    """A layer's q, k and v (or gate and up) in one call: the outputs side by side, each with its own bias."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    torch.manual_seed(5)
+    weights = [torch.randn(n, 72) for n in (64, 24, 24, 5)]
+    biases = [torch.randn(64), None, torch.randn(24), None]
+    for rows in (1, 3, 4, 9, 16):
+        x = torch.randn(2, rows, 72)
+        got = cpu_linear.linear_many(x, weights, biases)
+        want = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+        assert got.shape == want.shape == (2, rows, 117)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * 72 ** 0.5)
+    with pytest.raises(ValueError, match="1 to 8 contiguous"):
+        cpu_linear.linear_many(torch.randn(2, 72), [torch.randn(4, 72)] * 9)
+    with pytest.raises(ValueError, match="1 to 8 contiguous"):
+        cpu_linear.linear_many(torch.randn(2, 72), [torch.randn(4, 72), torch.randn(4, 70)])
+
+
 def test_kernel_reads_strided_rows(isa):
     weight = torch.randn(40, 64)
     x = torch.randn(6, 128)[:, ::2]  # rows with a stride of 2
