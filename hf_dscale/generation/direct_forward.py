@@ -154,6 +154,10 @@ class DirectForward:
         self.layers = [_Layer(layer, kind) for layer, kind in zip(self.base.layers, kinds)]
         self.hidden = self.base.embed_tokens.embedding_dim
         self.final_norm = (self.base.norm.weight, _norm_eps(self.base.norm))
+        probe = torch.linspace(-8, 8, 33, dtype=torch.float32, device=self.head.weight.device)
+        # the whole layer in the kernel's library where its activation is SiLU and its MLP's two halves match
+        self.fused = all(torch.equal(layer.act(probe), F.silu(probe)) and
+                         layer.gate_up[0][0].shape == layer.gate_up[1][0].shape for layer in self.layers)
 
     def _masks(self, attention_mask, q: int, s: int, dtype: torch.dtype):
         """The additive mask SDPA takes ([B, 1, Q, S + Q]) from a 2D padding mask, else the 4D masks given."""
@@ -178,6 +182,9 @@ class DirectForward:
         cos, sin = self.base.rotary_emb(x, position_ids)  # [B, Q, D] each
         cos, sin = cos[:, None], sin[:, None]
         taps, wanted = [None] * len(tap_ids), {layer: slot for slot, layer in enumerate(tap_ids)}
+        if kernel and self.fused:
+            logits = self._fused(x, cos, sin, masks, cache, taps, wanted)
+            return logits, (torch.stack(taps, dim=2) if tap_ids else None)
         shape = (self.hidden,)
         for i, layer in enumerate(self.layers):
             mask = masks[layer.kind] if isinstance(masks, dict) else masks
@@ -196,6 +203,36 @@ class DirectForward:
 
             logits = apply_head(self.head, x, transposed)
         return logits, (torch.stack(taps, dim=2) if tap_ids else None)
+
+    def _fused(self, x, cos, sin, masks, cache, taps, wanted) -> torch.Tensor:
+        """The layers and the head with every step in the kernel's library: the residual stream `x` is updated in
+        place by the products (o_proj and down_proj add into it), q and k are normed and rotated in place."""
+        b, q, hidden = x.shape
+        x = x.reshape(b * q, hidden).contiguous()
+        cos, sin = cos.reshape(b * q, -1).contiguous(), sin.reshape(b * q, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            mask = masks[layer.kind] if isinstance(masks, dict) else masks
+            d, (nq, nk, _) = layer.head_dim, layer.qkv_sizes
+            h = cpu_linear.rms_norm(x, *layer.norms[0])
+            qkv = cpu_linear._run_many(h, [w for w, _ in layer.qkv], [bias for _, bias in layer.qkv])  # [BQ, q|k|v]
+            cpu_linear.rope_(qkv, nq // d, d, cos, sin, layer.head_norms[0])
+            cpu_linear.rope_(qkv[:, nq:], nk // d, d, cos, sin, layer.head_norms[1])
+            key = qkv[:, nq : nq + nk].view(b, q, -1, d).transpose(1, 2)  # [B, G, Q, D]
+            value = qkv[:, nq + nk :].view(b, q, -1, d).transpose(1, 2)
+            key, value = cache.update(key, value, i) if cache is not None else (key, value)
+            if key.stride()[2:] != (d, 1) or value.stride() != key.stride():  # rows of D floats, alike
+                key, value = key.contiguous(), value.contiguous()
+            if mask.stride(-1) != 1 or mask.dtype != torch.float32:
+                mask = mask.float().contiguous()
+            out = cpu_linear.attention(qkv[:, :nq].view(b, q, -1, d), key, value, mask, layer.scaling)
+            cpu_linear._run(out.view(b * q, -1), *layer.o, into=x)
+            h = cpu_linear.rms_norm(x, *layer.norms[1])
+            gate_up = cpu_linear._run_many(h, [w for w, _ in layer.gate_up], [bias for _, bias in layer.gate_up])
+            cpu_linear._run(cpu_linear.silu_mul(gate_up), *layer.down, into=x)
+            if i in wanted:
+                taps[wanted[i]] = x.view(b, q, hidden).clone()
+        x = cpu_linear.rms_norm(x, *self.final_norm)
+        return cpu_linear._run(x, self.head.weight, self.head.bias).view(b, q, -1)
 
     def _attention(self, layer: _Layer, h, cos, sin, mask, cache, index: int, kernel: bool) -> torch.Tensor:
         b, q, _ = h.shape

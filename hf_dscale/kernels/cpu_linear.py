@@ -87,11 +87,19 @@ def _library() -> ctypes.CDLL | str:
         return f"loading {target.name} failed: {error}"
     library.isa = isa
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    f32, cint = ctypes.c_float, ctypes.c_int
+    library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint]
     library.hf_dscale_linear_f32.restype = None
     library.hf_dscale_linear_many_f32.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64,
                                                   ctypes.c_int]
     library.hf_dscale_linear_many_f32.restype = None
+    library.hf_dscale_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
+    library.hf_dscale_rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32]
+    library.hf_dscale_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
+                                                i64, i64, i64, i64, i64, i64, f32, ptr, cint]
+    library.hf_dscale_silu_mul_f32.argtypes = [ptr, i64, i64, ptr]
+    for name in ("rms_norm", "rope", "attention", "silu_mul"):
+        getattr(library, f"hf_dscale_{name}_f32").restype = None
     return library
 
 
@@ -127,19 +135,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _run(x, weight, bias)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear` once the kernel is loaded and `supports` took the tensors."""
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         into: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` once the kernel is loaded and `supports` took the tensors; `into` (a contiguous float32 tensor of
+    the output's shape): the product is added to it in place (a residual stream), and it is returned."""
     library = _library()
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32) if into is None else into.view(-1, n)
     if rows.shape[0]:
         library.hf_dscale_linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n,
-                                     k, torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+                                     k, torch.get_num_threads(), into is not None)
+    return out.view(*x.shape[:-1], n) if into is None else into
 
 
 MAX_MANY = 8  # weights `_run_many` takes in one pass
@@ -180,6 +190,53 @@ def _run_many(x: torch.Tensor, weights, biases) -> torch.Tensor:
             pointers(*(out.data_ptr() + 4 * start for start in starts)), out.shape[1],
             (ctypes.c_int64 * count)(*sizes), rows.shape[0], k, torch.get_num_threads())
     return out.view(*x.shape[:-1], out.shape[1])
+
+
+# ---- the rest of a Llama-style decoder layer, for `generation/direct_forward.py` (float32, contiguous rows) ----
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension; with `add`, x += add in place first (x then
+    holds the sum)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    _library().hf_dscale_rms_norm_f32(x.data_ptr(), n, None if add is None else add.data_ptr(), n, weight.data_ptr(),
+                                      eps, out.data_ptr(), n, x.numel() // n, n)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          norm: tuple[torch.Tensor, float] | None = None) -> None:
+    """The rotary embedding in place on the first `heads` heads of each row of x [rows, >= heads * head_dim] (any
+    row stride, contiguous within a row): x * cos + rotate_half(x) * sin, with cos and sin [rows, head_dim]
+    contiguous; `norm` (weight, eps): each head RMS-normed over its head_dim first."""
+    weight, eps = norm if norm is not None else (None, 0.0)
+    _library().hf_dscale_rope_f32(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(),
+                                  sin.data_ptr(), None if weight is None else weight.data_ptr(), eps)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """`scaled_dot_product_attention(q, keys, values, mask, scale, enable_gqa=True)` laid out for the next product:
+    q [B, Q, H, D] (a view, D contiguous), keys and values [B, G, L, D] with rows of D contiguous floats, mask
+    additive [B, 1, Q, L] (L contiguous) -> [B, Q, H * D]."""
+    b, n, heads, d = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    out = torch.empty(b, n, heads * d, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    scores = torch.empty(threads, n * (length + 1), dtype=torch.float32)
+    _library().hf_dscale_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+        keys.stride(1), mask.data_ptr(), mask.stride(0), mask.stride(2), out.data_ptr(), out.stride(0), out.stride(1),
+        b, n, heads, kv_heads, length, d, scale, scores.data_ptr(), threads)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for gate_up [..., 2N] holding the two side by side -> [..., N]."""
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
+    _library().hf_dscale_silu_mul_f32(gate_up.data_ptr(), gate_up.numel() // (2 * n), n, out.data_ptr())
+    return out
 
 
 class CpuLinears:

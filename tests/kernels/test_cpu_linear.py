@@ -66,6 +66,57 @@ def test_several_products_in_one_pass_sum_as_torch_does(threads, isa, monkeypatc
         cpu_linear.linear_many(torch.randn(2, 72), [torch.randn(4, 72), torch.randn(4, 70)])
 
 
+def test_a_product_adds_into_a_residual_stream(isa):
+    x, weight, bias, stream = torch.randn(5, 40), torch.randn(24, 40), torch.randn(24), torch.randn(5, 24)
+    want = stream + F.linear(x, weight, bias)
+    assert cpu_linear._run(x, weight, bias, into=stream) is stream
+    torch.testing.assert_close(stream, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_silu_and_rope_compute_what_torch_does(isa):
+    torch.manual_seed(9)
+    x, add, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(cpu_linear.rms_norm(x.clone(), weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
+    stream = x.clone()
+    normed = cpu_linear.rms_norm(stream, weight, 1e-6, add=add)  # the residual's update, then its norm
+    torch.testing.assert_close(stream, x + add)
+    torch.testing.assert_close(normed, F.rms_norm(x + add, (96,), weight, 1e-6))
+    gate_up = torch.randn(3, 4, 2 * 50) * 6
+    torch.testing.assert_close(cpu_linear.silu_mul(gate_up), F.silu(gate_up[..., :50]) * gate_up[..., 50:])
+    heads, d = 3, 16
+    rows = torch.randn(5, heads * d + 8)  # 8 more columns the rotation must leave alone
+    cos, sin = torch.randn(5, d), torch.randn(5, d)
+    norm = torch.randn(d)
+    for head_norm in (None, (norm, 1e-6)):
+        got = rows.clone()
+        cpu_linear.rope_(got[:, 4:], 2, d, cos, sin, head_norm)  # a strided view: heads 4..36 of each row
+        part = rows[:, 4 : 4 + 2 * d].view(5, 2, d)
+        if head_norm is not None:
+            part = F.rms_norm(part, (d,), norm, 1e-6)
+        rotated = part * cos[:, None] + torch.cat((-part[..., d // 2 :], part[..., : d // 2]), -1) * sin[:, None]
+        torch.testing.assert_close(got[:, 4 : 4 + 2 * d], rotated.reshape(5, -1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[:, :4], rows[:, :4]) and torch.equal(got[:, 4 + 2 * d :], rows[:, 4 + 2 * d :])
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take the AVX-512 kernel's blocked path
+@pytest.mark.parametrize("queries, length", [(1, 1), (1, 37), (5, 40), (16, 300)])
+def test_attention_equals_sdpa_over_a_cache_with_a_mask(d, queries, length, isa):
+    """Grouped heads (6 over 2), a batch of 2, keys and values as views of buffers with room to spare (as the
+    engine's cache keeps them), queries as a view of a wider row, an additive mask with masked columns."""
+    torch.manual_seed(d + queries + length)
+    b, heads, kv_heads = 2, 6, 2
+    q = torch.randn(b, queries, heads * d + 3)[..., : heads * d].view(b, queries, heads, d)
+    keys = torch.randn(b, kv_heads, length + 9, d)[:, :, :length]
+    values = torch.randn(b, kv_heads, length + 9, d)[:, :, :length]
+    allowed = torch.rand(b, 1, queries, length) < 0.7
+    allowed[..., -1] = True  # every query sees at least one key
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    got = cpu_linear.attention(q, keys, values, mask, d ** -0.5)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=d ** -0.5,
+                                          enable_gqa=True).transpose(1, 2).reshape(b, queries, heads * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_reads_strided_rows(isa):
     weight = torch.randn(40, 64)
     x = torch.randn(6, 128)[:, ::2]  # rows with a stride of 2
@@ -188,7 +239,7 @@ def test_greedy_decoding_through_the_kernel_equals_plain_generate(kind, batch, m
         mask[b, : 2 * b] = 0
     calls = []
     real = cpu_linear._run  # every product the kernel computes
-    monkeypatch.setattr(cpu_linear, "_run", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_linear, "_run", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     assert not calls
     ours = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
