@@ -94,8 +94,8 @@ def fastest_ways_everywhere(monkeypatch):
 
 
 def fix_verify_costs(monkeypatch, costs: dict[int, float]) -> None:
-    """Every plan measured in the test reads `costs` as its verify costs, every way alike (a plan then keeps the
-    target's own forward with torch's products)."""
+    """Every plan measured in the test reads `costs` as its verify costs, every way alike (a plan then keeps torch's
+    products)."""
     monkeypatch.setattr(assistant, "verify_costs_for", lambda *args, **kwargs: costs)
     monkeypatch.setattr(target_forward, "verify_costs_ways",
                         lambda target, transposed, ways, *args, **kwargs: {way: costs for way in ways})
@@ -145,6 +145,16 @@ def tiny_drafter(target, fusion: str = "layerwise", block_size: int = 8, seed: i
     config = DScaleConfig.from_target(target.config, num_hidden_layers=2, fusion=fusion,
                                       mask_token_id=target.config.vocab_size - 1, block_size=block_size)
     return cls(config).eval()
+
+
+def unevenly_padded(batch: int, length: int = 12, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts [batch, length] of tokens 1-89 and their mask: row b left-padded by 2b positions."""
+    torch.manual_seed(seed)
+    ids = torch.randint(1, 90, (batch, length))
+    mask = torch.ones_like(ids)
+    for b in range(1, batch):
+        mask[b, : 2 * b] = 0
+    return ids, mask
 
 
 class OracleDrafter(DScaleDrafter):

@@ -93,12 +93,6 @@ def parse_cut(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [0, 1), got {value!r}") from None
 
 
-def _span(widths) -> str:
-    widths = list(widths)
-    return f"{widths[0]}-{widths[-1]}" if widths == list(range(widths[0], widths[-1] + 1)) else \
-        ", ".join(map(str, widths))
-
-
 def describe_plan(plan) -> str:
     """The engine's plan (`hf_dscale.engine.Plan`) in words, for the CLI's summary lines."""
     method = "a token tree" + (" with a prompt-lookup path" if plan.prompt_lookup else "") if plan.tree else "a chain"
@@ -108,11 +102,13 @@ def describe_plan(plan) -> str:
         cut = f"draft_confidence {plan.draft_confidence}, at least {plan.min_drafts} drafts"
     else:
         cut = "whole blocks"
+    from ..engine.plan import width_span
+
     verify = ""
     if plan.compile_widths is not None:
         verify = ", verified compiled"
     else:
-        parts = [f"{what} at {_span(widths)} tokens" for what, widths in (
+        parts = [f"{what} at {width_span(widths)} tokens" for what, widths in (
             ("the target's weights run directly", plan.direct_widths),
             ("products by hf_dscale's CPU kernel", plan.cpu_linear_widths)) if widths]
         verify = f", verify: {'; '.join(parts)}" if parts else ""

@@ -124,7 +124,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
     Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
-    `Plan.reasons`. Measuring costs a few seconds on a small CPU (~3 s for SmolLM2-135M on 2 cores) and
+    `Plan.reasons`. Measuring costs a few seconds on a small CPU (~6 s for SmolLM2-135M on 2 cores) and
     milliseconds for tiny models; `plan_for` keeps one per target, batch size and options on the drafter.
 
     `compile=True` verifies through a compiled forward (`compiled.StaticVerify`) at `compile_widths` (default: the
@@ -196,7 +196,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                        "verify with the target's own forward")
         split = None if transposed is None else frozenset(transposed)
         ways = _eager_ways(target, cpu_linear, direct_forward, reasons)
-        if len(ways) > 1:
+        if ways != (target_forward.Way(False, False),):  # something to measure: which way, per width
             kernel_widths, direct_widths, costs = _eager_costs(target, split, ways, max_width, batch_size, reasons)
             if confidence == AUTO:
                 cut = DraftCut(costs=costs)
@@ -249,21 +249,21 @@ def _direct_unavailable(target: nn.Module, wanted: bool | None) -> str | None:
 
 def _eager_ways(target: nn.Module, cpu_linear: bool | None, direct_forward: bool | None,
                 reasons: list[str]) -> tuple[target_forward.Way, ...]:
-    """The ways an eager verify of `target` can run, the target's own forward with torch's products first. Where the
-    direct forward runs, the target's forward with the kernel is left out: the direct forward runs the same products
-    with less around them."""
+    """The ways an eager verify of `target` can run, torch's products first. Where the direct forward runs, the
+    target's own forward is left out: it runs the same ops (the probe found the same logits) with transformers'
+    module machinery around them (`dscale-auto-model-forward` in `hf-dscale bench --peers` measures it)."""
     Way = target_forward.Way
     no_kernel, no_direct = _cpu_linear_unavailable(target, cpu_linear), _direct_unavailable(target, direct_forward)
     if no_kernel is not None:
         reasons.append(f"verify products by torch: {no_kernel}")
     if no_direct is not None:
         reasons.append(f"verify through the target's modules: {no_direct}")
-    if no_direct is None:
-        return (Way(False, False), Way(True, False)) + ((Way(True, True),) if no_kernel is None else ())
-    return (Way(False, False),) + ((Way(False, True),) if no_kernel is None else ())
+    direct = no_direct is None
+    return (Way(direct, False),) + ((Way(direct, True),) if no_kernel is None else ())
 
 
-def _span(widths) -> str:
+def width_span(widths) -> str:
+    """Verify widths in words: "4-16", or "1, 3, 8" where they are not one run."""
     widths = list(widths)
     return f"{widths[0]}-{widths[-1]}" if widths == list(range(widths[0], widths[-1] + 1)) else \
         ", ".join(map(str, widths))
@@ -278,13 +278,14 @@ def _eager_costs(target: nn.Module, transposed: frozenset[int] | None, ways, max
     best = {w: min(ways, key=lambda way: costs[way][w]) for w in widths}
     kernel = tuple(w for w in widths if best[w].kernel)
     direct = tuple(w for w in widths if best[w].direct)
-    top, own = max_width, ways[0]
+    top, first = max_width, ways[0]
     for chosen, what in ((direct, "direct forward (the target's weights without its modules)"),
                          (kernel, f"CPU kernel ({cpu_linear_kernel.isa()}) for the verify's products")):
         if chosen:
-            reasons.append(f"{what} at widths {_span(chosen)}")
-    reasons.append(f"a verify of {top} tokens: {1e3 * costs[best[top]][top]:.1f} ms by {best[top]}, against "
-                   f"{1e3 * costs[own][top]:.1f} ms by {own}")
+            reasons.append(f"{what} at widths {width_span(chosen)}")
+    if len(ways) > 1:
+        reasons.append(f"a verify of {top} tokens: {1e3 * costs[best[top]][top]:.1f} ms by {best[top]}, against "
+                       f"{1e3 * costs[first][top]:.1f} ms by {first}")
     return kernel or None, direct or None, {w: costs[best[w]][w] for w in widths}
 
 

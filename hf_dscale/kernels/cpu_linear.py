@@ -16,6 +16,11 @@ CPU.
 `CpuLinears(model)` routes the model's own `nn.Linear` calls to the kernel while it is active (`with
 linears.active():`), through forward hooks on those modules, which `remove()` takes off: the model's code and
 classes are not touched.
+
+The same library holds the rest of a Llama-style decoder layer for `generation/direct_forward.py`: several products
+of one input in one pass (`linear_many`), products that add into a residual stream (`_run(..., into=)`), RMS norms,
+the rotary embedding in place (`rope_`), attention over a cache with an additive mask (`attention`) and SiLU(gate) *
+up (`silu_mul`); each is tested against its torch counterpart.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from hf_dscale.generation.masks import TargetAttention, column_positions
 from hf_dscale.kernels import cpu_linear
 from hf_dscale.models.dscale import compat
 from hf_dscale.models.dscale.assistant import TapRecorder
-from tests.conftest import SLIDING_FAMILIES, tiny_drafter, tiny_target
+from tests.conftest import SLIDING_FAMILIES, tiny_drafter, tiny_target, unevenly_padded
 
 TAKEN = ("llama", "qwen3", "mistral", "qwen2")  # Qwen3: per-head norms; Mistral, Qwen2: windows; Qwen2: biases
 KERNEL = cpu_linear.unavailable() is None
@@ -113,28 +113,31 @@ def test_a_target_that_looks_the_part_but_computes_otherwise_is_caught_by_the_pr
     assert "float32" in direct_forward.unavailable(tiny_target("llama").to(torch.bfloat16))
 
 
-def test_the_plan_runs_direct_at_the_widths_it_measures_cheaper(monkeypatch):
+def test_the_plan_verifies_direct_and_measures_the_products_both_ways(monkeypatch):
+    """Where the direct forward runs the target, the target's own forward is not measured (the same ops with
+    transformers' modules around them); the kernel is kept where it measures cheaper."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     offered = []
 
-    def costs(target, transposed, ways, widths, batch_size=1):  # direct cheaper from 3 tokens on
+    def costs(target, transposed, ways, widths, batch_size=1):  # the kernel cheaper from 3 tokens on
         offered.append(list(ways))
-        return {way: {w: (0.5 if way.direct and w >= 3 else 1.0) + 0.1 * w + 0.01 * way.kernel for w in widths}
-                for way in ways}
+        return {way: {w: (0.5 if way.kernel and w >= 3 else 1.0) + 0.1 * w for w in widths} for way in ways}
 
     monkeypatch.setattr(target_forward, "verify_costs_ways", costs)
     plan = calibrate(target, drafter)
     block = drafter.config.block_size
     Way = target_forward.Way
-    assert offered == [[Way(False, False), Way(True, False)] + ([Way(True, True)] if KERNEL else [])]
-    assert plan.direct_widths == tuple(range(3, block + 1)) and plan.cpu_linear_widths is None
-    assert plan.verify_costs == {w: (0.5 if w >= 3 else 1.0) + 0.1 * w for w in range(1, block + 1)}
+    assert offered == [[Way(True, False)] + ([Way(True, True)] if KERNEL else [])]
+    assert plan.direct_widths == tuple(range(1, block + 1))
+    assert plan.cpu_linear_widths == (tuple(range(3, block + 1)) if KERNEL else None)
+    assert plan.verify_costs == {w: (0.5 if KERNEL and w >= 3 else 1.0) + 0.1 * w for w in range(1, block + 1)}
     assert plan.to_dict()["direct_widths"] == list(plan.direct_widths)
-    assert any(r.startswith("direct forward (the target's weights without its modules) at widths 3-")
-               for r in plan.reasons)
+    assert "direct forward (the target's weights without its modules) at widths 1-8" in plan.reasons
     off = calibrate(target, drafter, direct_forward=False)
     assert off.direct_widths is None
+    if KERNEL:  # the target's own forward, with torch's products against the kernel's
+        assert offered[-1] == [Way(False, False), Way(False, True)]
     assert "verify through the target's modules: direct_forward=False" in off.reasons
     with pytest.raises(RuntimeError, match="direct_forward=True, but the direct forward cannot run Gemma3"):
         calibrate(tiny_target("gemma3"), drafter, direct_forward=True)
@@ -145,11 +148,7 @@ def test_the_plan_runs_direct_at_the_widths_it_measures_cheaper(monkeypatch):
 def test_greedy_decoding_through_the_direct_forward_equals_plain_generate(kind, batch, monkeypatch):
     target = tiny_target(kind)
     drafter = tiny_drafter(target)
-    torch.manual_seed(11)
-    ids = torch.randint(1, 90, (batch, 12))
-    mask = torch.ones_like(ids)
-    for b in range(1, batch):
-        mask[b, : 2 * b] = 0
+    ids, mask = unevenly_padded(batch, seed=11)
     calls, real = [], direct_forward.DirectForward.__call__
 
     def counted(*args, **kwargs):  # the engine's verifies (the probe asks for no taps)

@@ -13,7 +13,7 @@ from torch import nn
 from hf_dscale.engine.plan import calibrate
 from hf_dscale.generation import custom_generate, target_forward
 from hf_dscale.kernels import cpu_linear
-from tests.conftest import tiny_drafter, tiny_target
+from tests.conftest import tiny_drafter, tiny_target, unevenly_padded
 
 WHY_NOT = cpu_linear.unavailable()
 REAL_VERIFY_COSTS_WAYS = target_forward.verify_costs_ways  # the conftest replaces it in every test
@@ -232,11 +232,7 @@ def test_greedy_decoding_through_the_kernel_equals_plain_generate(kind, batch, m
     """Qwen2's projections carry biases; Gemma 3 slides a window; rows are left-padded unevenly."""
     target = tiny_target(kind)
     drafter = tiny_drafter(target)
-    torch.manual_seed(7)
-    ids = torch.randint(1, 90, (batch, 12))
-    mask = torch.ones_like(ids)
-    for b in range(1, batch):
-        mask[b, : 2 * b] = 0
+    ids, mask = unevenly_padded(batch, seed=7)
     calls = []
     real = cpu_linear._run  # every product the kernel computes
     monkeypatch.setattr(cpu_linear, "_run", lambda *a, **k: calls.append(1) or real(*a, **k))
