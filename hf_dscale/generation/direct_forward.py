@@ -146,7 +146,7 @@ class DirectForward:
     causally), or the 4D additive masks `generation/masks.py` builds (one tensor, or one per `config.layer_types`
     kind). `cache`: a `DynamicCache` the new keys and values are appended to (`cache.update`), or None (the tokens
     see only each other). `kernel`: the products by `cpu_linear` (a layer's q, k and v in one pass, its gate and up
-    in another), else `F.linear`; `transposed`: the LM head in `target_forward.apply_head`'s transposed layout
+    in another; torch's where some weight is not laid out as contiguous rows), else `F.linear`; `transposed`: the LM head in `target_forward.apply_head`'s transposed layout
     (torch's products only). `tap_ids`: the layers whose outputs come back as taps, as the engine's `TapRecorder`
     records them.
     """
@@ -161,10 +161,13 @@ class DirectForward:
         self.layers = [_Layer(layer, kind) for layer, kind in zip(self.base.layers, kinds)]
         self.hidden = self.base.embed_tokens.embedding_dim
         self.final_norm = (self.base.norm.weight, _norm_eps(self.base.norm))
+        # the kernel reads weights as rows in memory: where one is laid out otherwise, torch's products run
+        self.kernel_reads = all(p.is_contiguous() for p in target.parameters())
         probe = torch.linspace(-8, 8, 33, dtype=torch.float32, device=self.head.weight.device)
         # the whole layer in the kernel's library where its activation is SiLU and its MLP's two halves match
-        self.fused = all(torch.equal(layer.act(probe), F.silu(probe)) and
-                         layer.gate_up[0][0].shape == layer.gate_up[1][0].shape for layer in self.layers)
+        self.fused = self.kernel_reads and all(torch.equal(layer.act(probe), F.silu(probe)) and
+                                               layer.gate_up[0][0].shape == layer.gate_up[1][0].shape
+                                               for layer in self.layers)
 
     def _masks(self, attention_mask, q: int, s: int, dtype: torch.dtype):
         """The additive mask SDPA takes ([B, 1, Q, S + Q]) from a 2D padding mask, else the 4D masks given."""
@@ -179,6 +182,7 @@ class DirectForward:
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids: torch.Tensor | None = None,
                  cache=None, kernel: bool = False, transposed: bool = False, tap_ids=()):
         b, q = input_ids.shape
+        kernel = kernel and self.kernel_reads
         s = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(s, s + q, device=input_ids.device)[None].expand(b, q)

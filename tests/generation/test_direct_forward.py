@@ -88,6 +88,19 @@ def test_without_a_cache_the_tokens_see_each_other_causally():
     assert taps is None
 
 
+@pytest.mark.skipif(not KERNEL, reason=f"the CPU kernel cannot run here: {cpu_linear.unavailable()}")
+def test_a_weight_laid_out_otherwise_gets_torchs_products():
+    target = tiny_target("llama")
+    projection = target.model.layers[1].self_attn.q_proj
+    projection.weight = nn.Parameter(projection.weight.detach().t().contiguous().t())  # the same values, columns
+    direct = direct_forward.DirectForward(target)
+    assert not direct.kernel_reads and not direct.fused
+    ids = torch.randint(1, 90, (2, 5))
+    with torch.no_grad():
+        logits, _ = direct(ids, kernel=True)
+        torch.testing.assert_close(logits, target(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
 class _OnePlusNorm(nn.Module):
     """An RMS norm with Gemma's (1 + weight) scale, shaped as Llama's: only a probe tells them apart."""
 
