@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_linear
-from .masks import TargetAttention
+from .masks import ALL_LAYERS, TargetAttention
 
 _BASE_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -120,8 +120,8 @@ class _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         self.kind, self.head_dim, self.scaling = kind, attention.head_dim, attention.scaling
         self.norms = [(n.weight, _norm_eps(n)) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.head_norms = [None if getattr(attention, n, None) is None else
-                           (getattr(attention, n).weight, _norm_eps(getattr(attention, n))) for n in ("q_norm", "k_norm")]
+        head_norms = [getattr(attention, n, None) for n in ("q_norm", "k_norm")]
+        self.head_norms = [None if n is None else (n.weight, _norm_eps(n)) for n in head_norms]
         self.qkv = [(m.weight, m.bias) for m in (attention.q_proj, attention.k_proj, attention.v_proj)]
         self.qkv_sizes = [w.shape[0] for w, _ in self.qkv]
         self.o = (attention.o_proj.weight, attention.o_proj.bias)
@@ -146,9 +146,9 @@ class DirectForward:
     causally), or the 4D additive masks `generation/masks.py` builds (one tensor, or one per `config.layer_types`
     kind). `cache`: a `DynamicCache` the new keys and values are appended to (`cache.update`), or None (the tokens
     see only each other). `kernel`: the products by `cpu_linear` (a layer's q, k and v in one pass, its gate and up
-    in another; torch's where some weight is not laid out as contiguous rows), else `F.linear`; `transposed`: the LM head in `target_forward.apply_head`'s transposed layout
-    (torch's products only). `tap_ids`: the layers whose outputs come back as taps, as the engine's `TapRecorder`
-    records them.
+    in another; torch's where some weight is not laid out as contiguous rows), else `F.linear`; `transposed`: the LM
+    head in `target_forward.apply_head`'s transposed layout (torch's products only). `tap_ids`: the layers whose
+    outputs come back as taps, as the engine's `TapRecorder` records them.
     """
 
     def __init__(self, target: nn.Module):
@@ -169,15 +169,16 @@ class DirectForward:
                                                layer.gate_up[0][0].shape == layer.gate_up[1][0].shape
                                                for layer in self.layers)
 
-    def _masks(self, attention_mask, q: int, s: int, dtype: torch.dtype):
-        """The additive mask SDPA takes ([B, 1, Q, S + Q]) from a 2D padding mask, else the 4D masks given."""
+    @staticmethod
+    def _masks(attention_mask, position_ids: torch.Tensor, s: int, dtype: torch.dtype):
+        """The additive mask SDPA takes ([B, 1, Q, S + Q]) from a 2D padding mask (the new tokens attending causally,
+        as `TargetAttention.after_cache` builds it for full attention), else the 4D masks given."""
         if isinstance(attention_mask, dict) or attention_mask.dim() == 4:
             return attention_mask
-        new = torch.ones(q, q, dtype=torch.bool, device=attention_mask.device).tril()
-        b = attention_mask.shape[0]
-        allowed = torch.cat((attention_mask[:, None, :s].bool().expand(b, q, s), new.expand(b, q, q)), dim=2)
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)[:, None]
+        q = position_ids.shape[1]
+        causal = torch.ones(q, q, dtype=torch.bool, device=attention_mask.device).tril()
+        full = TargetAttention({ALL_LAYERS: None})
+        return full.after_cache(attention_mask[:, :s].bool(), position_ids, causal, dtype)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask=None, position_ids: torch.Tensor | None = None,
                  cache=None, kernel: bool = False, transposed: bool = False, tap_ids=()):
@@ -189,7 +190,7 @@ class DirectForward:
         if attention_mask is None:
             attention_mask = torch.ones(b, s + q, dtype=torch.long, device=input_ids.device)
         x = self.base.embed_tokens(input_ids)  # [B, Q, H]
-        masks = self._masks(attention_mask, q, s, x.dtype)
+        masks = self._masks(attention_mask, position_ids, s, x.dtype)
         cos, sin = self.base.rotary_emb(x, position_ids)  # [B, Q, D] each
         cos, sin = cos[:, None], sin[:, None]
         taps, wanted = [None] * len(tap_ids), {layer: slot for slot, layer in enumerate(tap_ids)}

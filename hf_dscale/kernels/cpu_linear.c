@@ -247,14 +247,12 @@ static inline float max_f32(const float *x, int64_t n) {
     return top;
 }
 
-/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of n (row strides ldx, ldo); `add` (or NULL), rows of
- * stride ldx too: x[r] += add[r] first (the residual stream's update), written back into x. */
-void hf_dscale_rms_norm_f32(float *x, int64_t ldx, const float *add, int64_t lda, const float *w, float eps,
-                            float *out, int64_t ldo, int64_t rows, int64_t n) {
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of n (row strides ldx, ldo). */
+void hf_dscale_rms_norm_f32(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
+                            int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * ldx, *o = out + r * ldo;
-        if (add)
-            for (int64_t i = 0; i < n; i++) xr[i] += add[r * lda + i];
+        const float *xr = x + r * ldx;
+        float *o = out + r * ldo;
         float lanes[16] = {0};
         int64_t i = 0;
         for (; i + 16 <= n; i += 16)
@@ -277,7 +275,7 @@ void hf_dscale_rope_f32(float *x, int64_t ld, int64_t rows, int64_t heads, int64
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < heads; h++) {
             float *v = x + r * ld + h * d;
-            if (norm_w) hf_dscale_rms_norm_f32(v, d, NULL, 0, norm_w, eps, v, d, 1, d);
+            if (norm_w) hf_dscale_rms_norm_f32(v, d, norm_w, eps, v, d, 1, d);
             const float *c = cos_ + r * d, *s = sin_ + r * d;
             for (int64_t i = 0; i < half; i++) tmp[i] = v[i] * c[i] - v[i + half] * s[i];
             for (int64_t i = half; i < d; i++) tmp[i] = v[i] * c[i] + v[i - half] * s[i];

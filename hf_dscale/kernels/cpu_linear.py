@@ -95,10 +95,9 @@ def _library() -> ctypes.CDLL | str:
     f32, cint = ctypes.c_float, ctypes.c_int
     library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint]
     library.hf_dscale_linear_f32.restype = None
-    library.hf_dscale_linear_many_f32.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, i64,
-                                                  ctypes.c_int]
+    library.hf_dscale_linear_many_f32.argtypes = [ptr, i64, cint, ptr, ptr, ptr, i64, ptr, i64, i64, cint]
     library.hf_dscale_linear_many_f32.restype = None
-    library.hf_dscale_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
+    library.hf_dscale_rms_norm_f32.argtypes = [ptr, i64, ptr, f32, ptr, i64, i64, i64]
     library.hf_dscale_rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32]
     library.hf_dscale_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
                                                 i64, i64, i64, i64, i64, i64, f32, ptr, cint]
@@ -199,13 +198,11 @@ def _run_many(x: torch.Tensor, weights, biases) -> torch.Tensor:
 
 # ---- the rest of a Llama-style decoder layer, for `generation/direct_forward.py` (float32, contiguous rows) ----
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension; with `add`, x += add in place first (x then
-    holds the sum)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension of a contiguous x."""
     n = x.shape[-1]
     out = torch.empty_like(x)
-    _library().hf_dscale_rms_norm_f32(x.data_ptr(), n, None if add is None else add.data_ptr(), n, weight.data_ptr(),
-                                      eps, out.data_ptr(), n, x.numel() // n, n)
+    _library().hf_dscale_rms_norm_f32(x.data_ptr(), n, weight.data_ptr(), eps, out.data_ptr(), n, x.numel() // n, n)
     return out
 
 

@@ -75,12 +75,8 @@ def test_a_product_adds_into_a_residual_stream(isa):
 
 def test_rms_norm_silu_and_rope_compute_what_torch_does(isa):
     torch.manual_seed(9)
-    x, add, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
-    torch.testing.assert_close(cpu_linear.rms_norm(x.clone(), weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
-    stream = x.clone()
-    normed = cpu_linear.rms_norm(stream, weight, 1e-6, add=add)  # the residual's update, then its norm
-    torch.testing.assert_close(stream, x + add)
-    torch.testing.assert_close(normed, F.rms_norm(x + add, (96,), weight, 1e-6))
+    x, weight = torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(cpu_linear.rms_norm(x, weight, 1e-5), F.rms_norm(x, (96,), weight, 1e-5))
     gate_up = torch.randn(3, 4, 2 * 50) * 6
     torch.testing.assert_close(cpu_linear.silu_mul(gate_up), F.silu(gate_up[..., :50]) * gate_up[..., 50:])
     heads, d = 3, 16
