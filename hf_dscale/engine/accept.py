@@ -22,10 +22,10 @@ import torch
 
 from ..generation.acceptance import speculative_accept
 from ..generation.tree import walk_tree
-from .state import Rows, Verify, Walk
+from .state import Batch, Verify, Walk
 
 
-def accept(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_sample: bool,
+def accept(verify: Verify, logits: torch.Tensor, rows: Batch, processors, do_sample: bool,
            q_logits: torch.Tensor | None, active: list[bool]) -> list[Walk | None]:
     """One `Walk` per row (None for a row already finished).
 
@@ -57,7 +57,7 @@ def accept(verify: Verify, logits: torch.Tensor, rows: Rows, processors, do_samp
     return walks
 
 
-def _processed(verify: Verify, logits: torch.Tensor, rows: Rows, processors, active: list[bool]) -> torch.Tensor:
+def _processed(verify: Verify, logits: torch.Tensor, rows: Batch, processors, active: list[bool]) -> torch.Tensor:
     """logits [B, N, V] with `generate()`'s logits processors applied at every node of every active row's tree to
     the row + the node's path, as plain decoding would apply them there."""
     processed = logits.clone()
@@ -70,7 +70,7 @@ def _processed(verify: Verify, logits: torch.Tensor, rows: Rows, processors, act
     return processed
 
 
-def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Rows, processors, q_logits: torch.Tensor,
+def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Batch, processors, q_logits: torch.Tensor,
                    active: list[bool]) -> list[Walk | None]:
     """Speculative sampling over a batch of chains of one length: processed p at every node, then the rule."""
     drafts = verify.ids[:, 1:]  # [B, K]

@@ -14,7 +14,8 @@
   so the cache is a rectangle of *columns* with holes: a row whose path is shorter than the longest leaves masked
   columns. Position ids count only a row's valid tokens, so every row sees exactly the sequence plain `generate()`
   would feed it, and the drafters' context caches mirror the same columns. Targets with sliding-window layers get
-  their masks by position (`generation/masks.py`).
+  their masks by position (`generation/masks.py`). A row that stops leaves the batch (`Engine.compact`): the
+  stages' slot b is row `batch.index[b]`, so later cycles verify and draft only the rows still decoding.
 * **compiled** (`Plan.compile_widths`, `compiled.py`): the verify runs one compiled forward at a fixed width over a
   cache of fixed shape (`compat.column_cache`): each tree is padded to that width with nodes that see themselves
   only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
@@ -44,7 +45,7 @@ from ..models.dscale.modeling_dscale import DraftContextCache
 from . import proposers
 from .accept import accept
 from .plan import Plan, plan_for, tap_ids
-from .state import Rows, Verify, Walk, lay_out
+from .state import Batch, Rows, Verify, Walk, lay_out
 
 
 class Engine:
@@ -52,7 +53,8 @@ class Engine:
 
     def __init__(self, target, drafter, plan: Plan, rows: Rows, *, vp_drafter=None, processors=None, criteria=None,
                  do_sample: bool = False, streamer=None, capacity: int = 0):
-        self.target, self.drafter, self.vp_drafter, self.plan, self.rows = target, drafter, vp_drafter, plan, rows
+        self.target, self.drafter, self.vp_drafter, self.plan = target, drafter, vp_drafter, plan
+        self.batch = Batch.of(rows)  # the rows still in the batch: every method's slot b is row batch.index[b]
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
         layer_ids = tap_ids(drafter, vp_drafter)
         self.forward, self.cut = plan.forward(target, layer_ids), plan.cut()
@@ -85,7 +87,7 @@ class Engine:
 
     @property
     def active(self) -> list[bool]:
-        return [not f for f in self.rows.finished]
+        return [not f for f in self.batch.finished]
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> None:
         """The prompt through the target; the first token; the drafters' context = the prompt's taps."""
@@ -104,12 +106,12 @@ class Engine:
                               use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
             logits = out.logits[:, -1].float()  # [B, V]
         if self.processors:
-            logits = torch.cat([self.rows.processors_for(self.processors, b)(self.rows.sequence(b), logits[b : b + 1])
+            logits = torch.cat([self.batch.processors_for(self.processors, b)(self.batch.sequence(b), logits[b : b + 1])
                                 for b in range(logits.shape[0])])
         first = torch.multinomial(logits.softmax(-1), 1)[:, 0] if self.do_sample else logits.argmax(-1)
         self.anchor_ids = first.tolist()
         for b, token in enumerate(self.anchor_ids):
-            self.rows.commit(b, [token], logits[b : b + 1], self.criteria)
+            self.batch.commit(b, [token], logits[b : b + 1], self.criteria)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
             self.streamer.put(first.cpu())
@@ -118,7 +120,7 @@ class Engine:
         if self.vp_drafter is not None:
             self.vp_vocab = self.vp_drafter.draft_vocab_for(context)
         if self.plan.prompt_lookup:
-            self.lookups = [PromptLookup(input_ids[b][valid[b]].tolist() + self.rows.generated[b])
+            self.lookups = [PromptLookup(input_ids[b][valid[b]].tolist() + self.batch.rows.generated[b])
                             for b in range(input_ids.shape[0])]
         self.valid, self.anchors, self.anchor_pos = valid, first, valid.sum(-1)
         self.taps, self.ctx_pos = self.latest_taps(), positions
@@ -140,8 +142,10 @@ class Engine:
             t1 += compiled
         sampled = self.do_sample and draft.q_logits is not None  # a sampled chain: speculative sampling's rule
         q = draft.q_logits[:, : logits.shape[1] - 1] if sampled else None
-        walks = accept(verify, logits, self.rows, self.processors, self.do_sample, q, self.active)
+        walks = accept(verify, logits, self.batch, self.processors, self.do_sample, q, self.active)
         self.commit(verify, walks)
+        if self.static is None and 0 < sum(self.active) < len(walks):  # a compiled verify keeps its batch's shape
+            self.compact()
         t3 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
@@ -157,8 +161,8 @@ class Engine:
                                            self.ctx_pos, self.dcache, self.valid if self.holes else None, self.vocab,
                                            compact=not sampled_chain)
         if sampled_chain:
-            picked = [choose_tokens(logits[b : b + 1], self.rows.sequence(b),
-                                    self.rows.processors_for(self.processors, b), self.do_sample)
+            picked = [choose_tokens(logits[b : b + 1], self.batch.sequence(b),
+                                    self.batch.processors_for(self.processors, b), self.do_sample)
                       for b in range(logits.shape[0])]
             spine, q = torch.cat([t for t, _ in picked]), torch.cat([s for _, s in picked])
             return proposers.Draft(spine, q.softmax(-1).amax(-1), q, None, q)
@@ -275,7 +279,7 @@ class Engine:
         for b, walk in enumerate(walks):
             if walk is None:
                 continue
-            committed = self.rows.commit(b, walk.tokens, walk.scores, self.criteria)
+            committed = self.batch.commit(b, walk.tokens, walk.scores, self.criteria)
             self.stats.committed.append(committed)
             if self.streamer is not None:
                 self.streamer.put(torch.tensor(walk.tokens[:committed]))
@@ -301,6 +305,21 @@ class Engine:
         self.anchor_pos = self.anchor_pos + torch.tensor(advance, device=device)
         self.stats.cycles += 1
         self.stats.verified.append(verify.ids.shape[1])
+
+    def compact(self) -> None:
+        """The rows that stopped leave the batch: every batched state (columns, anchors, taps, the target's and the
+        drafters' caches) keeps the rows still decoding, so the next verifies and drafts run only those."""
+        slots = [b for b, on in enumerate(self.active) if on]
+        index = torch.tensor(slots, device=self.valid.device)
+        self.batch.keep(slots)
+        self.valid, self.anchors, self.anchor_pos = self.valid[index], self.anchors[index], self.anchor_pos[index]
+        self.taps, self.ctx_pos = self.taps[index], self.ctx_pos[index]
+        self.anchor_ids = [self.anchor_ids[b] for b in slots]
+        self.lookups, self.proposals = [self.lookups[b] for b in slots], [self.proposals[b] for b in slots]
+        compat.select_rows(self.cache, index)
+        self.dcache.select_rows(index)
+        if self.vp_drafter is not None:
+            self.vp_cache.select_rows(index)
 
 
 def _check_inputs(drafter, vp_drafter, input_ids, streamer, cache) -> None:

@@ -138,6 +138,35 @@ class Rows:
 
 
 @dataclass
+class Batch:
+    """The rows the engine's batch holds, slot by slot: slot b is row `index[b]` of `rows`. Rows that stop leave the
+    batch (`Engine.compact`), so the slots are the rows still decoding; `rows` keeps every row's tokens."""
+
+    rows: Rows
+    index: list[int]  # the row of each slot
+
+    @classmethod
+    def of(cls, rows: Rows) -> "Batch":
+        return cls(rows, list(range(rows.prompt.shape[0])))
+
+    @property
+    def finished(self) -> list[bool]:
+        return [self.rows.finished[r] for r in self.index]
+
+    def sequence(self, b: int, extra: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        return self.rows.sequence(self.index[b], extra)
+
+    def processors_for(self, processors, b: int) -> _ForRow | None:
+        return self.rows.processors_for(processors, self.index[b])
+
+    def commit(self, b: int, tokens: list[int], scores: torch.Tensor, stopping_criteria) -> int:
+        return self.rows.commit(self.index[b], tokens, scores, stopping_criteria)
+
+    def keep(self, slots: list[int]) -> None:
+        self.index = [self.index[b] for b in slots]
+
+
+@dataclass
 class Verify:
     """One target forward over every row's tree (stage 2), padded to the widest tree with nodes no path reaches."""
 

@@ -104,6 +104,34 @@ def test_trees_decode_batched_with_uneven_padding(kind, vp):
         assert stats.plan.batch_size == 4
 
 
+@pytest.mark.parametrize("how", ["tree", "chain", "d2sd"])
+def test_rows_that_stop_leave_the_batch(monkeypatch, how):
+    """A row that meets EOS leaves the batch: the verifies after it run only the rows still decoding, which keep
+    their own caches, processors (the repetition penalty's per-row state) and outputs, identical to plain decoding."""
+    from hf_dscale.engine import loop
+
+    target = tiny_target("llama")
+    ids, mask = _prompt(4, 12, 7)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, repetition_penalty=1.3)
+    free = target.generate(**kw)[:, ids.shape[1] :]
+    eos = int(free[1, 4])  # row 1 stops at its 5th token; the others where (if) they meet it
+    target.generation_config.eos_token_id = eos
+    try:
+        plain = target.generate(**kw)
+        stops = [(row == eos).nonzero()[0, 0].item() + 1 if (row == eos).any() else 30 for row in free]
+        assert len(set(stops)) > 1, stops
+        sizes, verify = [], loop.Engine.verify
+        monkeypatch.setattr(loop.Engine, "verify", lambda self, v: sizes.append(v.ids.shape[0]) or verify(self, v))
+        drafter = _oracle(target, plain, mask, 0.3)
+        options = {"tree": dict(draft_tree=True, prompt_lookup=True), "chain": dict(draft_tree=False),
+                   "d2sd": dict(vp_drafter=tiny_drafter(target, seed=5))}[how]
+        spec = target.generate(**kw, custom_generate=custom_generate, drafter=drafter, **options)
+    finally:
+        target.generation_config.eos_token_id = None
+    assert torch.equal(plain, spec)
+    assert sizes[0] == 4 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 4, sizes
+
+
 def test_keep_paths_packs_each_rows_path():
     cache = compat.position_cache(16)
     keys = torch.arange(2 * 1 * 7 * 1, dtype=torch.float).view(2, 1, 7, 1)
