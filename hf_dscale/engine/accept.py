@@ -10,10 +10,10 @@ Two rules, both exact for greedy decoding and lossless for sampling:
 * any **tree** (or a greedy chain): "sample, then match" (`walk_tree`): draw the target's token after the current
   node from p (its argmax when greedy), move to the child holding it, stop at the first token no child holds.
 
-Every node's token is drawn at once for the whole batch and read back with one host synchronisation. Logits
-processors depend on the path, so with them each node's logits are first processed for its own path (the row, then
-the tokens down to the node), every node's, not only those the walk will visit: a few more processor calls instead
-of a read of the device per node visited.
+Every node's token is drawn at once for the whole batch and the walk runs on the device (`walk`), so nothing is
+read here: the engine reads every row's path together with the next draft, once a cycle. Logits processors depend
+on the path, so with them each node's logits are first processed for its own path (the row, then the tokens down to
+the node), every node's, not only those the walk will visit.
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ from __future__ import annotations
 import torch
 
 from ..generation.acceptance import speculative_accept
-from ..generation.tree import walk_tree
-from .state import Batch, Verify, Walk
+from .state import Batch, Outcome, Verify
 
 
 def accept(verify: Verify, logits: torch.Tensor, rows: Batch, processors, do_sample: bool,
-           q_logits: torch.Tensor | None, active: list[bool]) -> list[Walk | None]:
-    """One `Walk` per row (None for a row already finished).
+           q_logits: torch.Tensor | None, active: list[bool]) -> Outcome:
+    """Every row's accepted path, on the device (a finished row's is read and dropped).
 
     logits [B, N, V]: the target's logits after each node; q_logits [B, N-1, V]: the processed q a sampled chain's
     drafts were drawn from (None for greedy drafts and trees).
     """
     logits = logits.float()
-    if q_logits is not None:
-        return _sampled_chain(verify, logits, rows, processors, q_logits, active)
     if processors:
         logits = _processed(verify, logits, rows, processors, active)
+    if q_logits is not None:  # a sampled chain: speculative sampling's rule over a batch of chains of one length
+        num_accepted, output_ids = speculative_accept(verify.ids[:, 1:], q_logits.softmax(-1), logits.softmax(-1))
+        nodes = torch.arange(output_ids.shape[1], device=output_ids.device).expand_as(output_ids)
+        return Outcome(num_accepted + 1, nodes, output_ids, logits)
     if do_sample:
         b, n, v = logits.shape
         probs = logits.softmax(-1).nan_to_num_(0.0).view(b * n, v)
@@ -46,15 +47,23 @@ def accept(verify: Verify, logits: torch.Tensor, rows: Batch, processors, do_sam
         picks = torch.multinomial(probs, 1).view(b, n)
     else:
         picks = logits.argmax(-1)
-    picks = picks.tolist()  # the cycle's one host synchronisation for the target's tokens
-    walks = []
-    for b, tree in enumerate(verify.trees):
-        if not active[b]:
-            walks.append(None)
-            continue
-        tokens, path = walk_tree(tree, lambda node, b=b: picks[b][node])
-        walks.append(Walk(tokens, path, logits[b, path]))
-    return walks
+    return walk(verify, picks, logits)
+
+
+def walk(verify: Verify, picks: torch.Tensor, logits: torch.Tensor) -> Outcome:
+    """`walk_tree` for every row at once, on the device: from the anchor, move to the child holding the target's token
+    (`picks` [B, N]: the token drawn after each node) while there is one. A node is on the accepted path when it and
+    each of its ancestors holds the token drawn after its parent; siblings hold distinct tokens, so those nodes form
+    one path. Its tokens are the draws after each of its nodes: the accepted drafts, then the recovered or bonus
+    token."""
+    parents = verify.parents
+    matched = (verify.ids == picks.gather(1, parents.clamp_min(0))) & (parents >= 0)
+    matched[:, 0] = True  # the anchor
+    on_path = ~(verify.ancestors() & ~matched[:, None, :]).any(-1)  # [B, N]
+    length = torch.where(on_path, verify.depths, -1).amax(-1) + 1
+    levels = torch.arange(verify.depth, device=picks.device)[None, :, None]
+    nodes = (on_path[:, None, :] & (verify.depths[:, None, :] == levels)).int().argmax(-1)  # [B, D]
+    return Outcome(length, nodes, picks.gather(1, nodes), logits)
 
 
 def _processed(verify: Verify, logits: torch.Tensor, rows: Batch, processors, active: list[bool]) -> torch.Tensor:
@@ -68,16 +77,3 @@ def _processed(verify: Verify, logits: torch.Tensor, rows: Batch, processors, ac
                 ids = torch.cat((row, row.new_tensor(tree.path(node))[None]), 1)
                 processed[b, node] = apply(ids, logits[b, node][None])[0]
     return processed
-
-
-def _sampled_chain(verify: Verify, logits: torch.Tensor, rows: Batch, processors, q_logits: torch.Tensor,
-                   active: list[bool]) -> list[Walk | None]:
-    """Speculative sampling over a batch of chains of one length: processed p at every node, then the rule."""
-    drafts = verify.ids[:, 1:]  # [B, K]
-    if processors:
-        logits = _processed(verify, logits, rows, processors, active)
-    num_accepted, output_ids = speculative_accept(drafts, q_logits.softmax(-1), logits.softmax(-1))
-    walks = []
-    for b, (n, *output) in enumerate(torch.cat((num_accepted[:, None], output_ids), 1).tolist()):  # one read
-        walks.append(Walk(output[: n + 1], list(range(n + 1)), logits[b, : n + 1]) if active[b] else None)
-    return walks

@@ -1,16 +1,19 @@
 """The decode engine: one loop for every speculative method, batch size >= 1.
 
-    prefill -> while a row runs: draft -> trees -> verify -> accept -> commit
+    prefill, draft -> while a row runs: trees -> verify -> accept -> advance -> draft -> read -> commit
 
 * **draft**: the block drafter proposes a block per row in one pass (`proposers.Draft`).
 * **trees**: each row's candidate paths (the chain, the drafter's own runner-ups, a VP drafter's branches, the
   prompt lookup), as a `TokenTree`; a chain is a one-path tree. How wide, and which method, the `Plan` says.
 * **verify**: one target forward over every row's nodes, padded to the widest tree, with each node at position
   anchor + depth and an ancestor-only mask (a batch of equal chains takes a plain padding mask).
-* **accept**: the target walks each tree (`accept.py`).
-* **commit**: each row's accepted path keeps its K/V, packed by index after the cache's columns; the rest is
-  cropped, which only shortens the view of buffers allocated ahead for the whole generation
-  (`compat.position_cache`: the next verify writes over the rejected entries). Rows advance at different speeds,
+* **accept**: the target walks each tree, on the device (`accept.py`).
+* **advance**: each row's accepted path keeps its K/V, packed by index after the cache's columns, its taps go to
+  the drafters and its last token becomes the next anchor, still on the device; then the next block is drafted.
+* **read** and **commit**: one transfer brings back every row's path and the next draft; the rows take their tokens
+  (stopping where a criterion fires), and the cache keeps as many columns as the longest path; the rest is cropped,
+  which only shortens the view of buffers allocated ahead for the whole generation (`compat.position_cache`: the
+  next verify writes over the rejected entries). Rows advance at different speeds,
   so the cache is a rectangle of *columns* with holes: a row whose path is shorter than the longest leaves masked
   columns. Position ids count only a row's valid tokens, so every row sees exactly the sequence plain `generate()`
   would feed it, and the drafters' context caches mirror the same columns. Targets with sliding-window layers get
@@ -21,10 +24,13 @@
   only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
-The host waits for the device twice a cycle: it reads the draft once for every row and path (`Draft.on_host`) and
-the target's tokens once (`accept`). Length and EOS stops are answered on the host (`state.host_stop`); other
-stopping criteria are read once per row (`Rows.commit`). The anchors and the draft vocabularies' members are kept on
-the host.
+The host waits for the device once a cycle (`Engine.read`): every row's accepted path and the next draft, for every
+row and path, come back in one transfer; D²SD reads its VP pass once more. The draft is made before that read, so it
+sees the rows as they were before the cycle's tokens where a processor shapes it (a sampled chain under logits
+processors: its q is still the distribution its drafts were drawn from, so sampling stays lossless) and its draft
+vocabulary gains the cycle's tokens a cycle later. Length and EOS stops are answered on the host
+(`state.host_stop`); other stopping criteria are read once per row (`Rows.commit`). The anchors and the draft
+vocabularies' members are kept on the host.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from ..models.dscale.modeling_dscale import DraftContextCache
 from . import proposers
 from .accept import accept
 from .plan import Plan, plan_for, tap_ids
-from .state import Batch, Rows, Verify, Walk, lay_out
+from .state import Batch, Outcome, Rows, Verify, Walk, lay_out
 
 
 class Engine:
@@ -81,6 +87,10 @@ class Engine:
         self.valid = self.anchors = self.anchor_pos = self.taps = self.ctx_pos = None
         self.anchor_ids: list[int] = []  # the anchors on the host, kept with the tensor so no stage reads it back
         self.holes = False  # whether some column is masked (padding or a rejected node): drafters then take `valid`
+        self.pending: proposers.Draft | None = None  # the next cycle's draft, made before the cycle's read
+        self.advanced = (0, 0)  # the columns the last `advance` kept before the read: (first, how many)
+        self.nodes = None  # [B, D] the last cycle's accepted nodes by depth, which `commit` packs in the cache
+        self.unread = False  # between `advance` and `commit`: columns past every row's path may be held (masked)
         self.vocab = self.vp_vocab = None
         self.lookups: list[PromptLookup | None] = [None] * rows.prompt.shape[0]
         self.proposals: list[tuple[list[int], int]] = [([], 0)] * rows.prompt.shape[0]
@@ -126,11 +136,17 @@ class Engine:
         self.taps, self.ctx_pos = self.latest_taps(), positions
         self.holes = not bool(valid.all())
         self.stats.other_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.pending = self.draft()
+        self.pending.read_with(self.options_read())  # what the first trees read, read here: a cycle reads once
+        self.stats.draft_s += time.perf_counter() - t0
 
     def cycle(self) -> None:
-        """Draft, build each row's tree, verify every row in one target forward, accept, commit."""
+        """Trees from the draft read last cycle, verify every row in one target forward, accept and keep the
+        accepted paths on the device, draft the next block, then the cycle's one read (every row's path and the new
+        draft together) and the commit on the host."""
         t0 = time.perf_counter()
-        draft = self.draft()
+        draft, self.pending = self.pending, None
         trees = self.trees(draft)
         t1 = time.perf_counter()
         verify = Verify.of(trees, self.anchor_pos)
@@ -140,17 +156,29 @@ class Engine:
             compiled, self.compiled_s = self.static.compile_s - self.compiled_s, self.static.compile_s
             self.stats.compile_s += compiled
             t1 += compiled
+        active = self.active
         sampled = self.do_sample and draft.q_logits is not None  # a sampled chain: speculative sampling's rule
         q = draft.q_logits[:, : logits.shape[1] - 1] if sampled else None
-        walks = accept(verify, logits, self.batch, self.processors, self.do_sample, q, self.active)
-        self.commit(verify, walks)
-        if self.static is None and 0 < sum(self.active) < len(walks):  # a compiled verify keeps its batch's shape
+        outcome = accept(verify, logits, self.batch, self.processors, self.do_sample, q, active)
+        self.advance(outcome, active)
+        if self.plan.one_read:  # draft first: the paths and the draft come back in one read
+            t3 = time.perf_counter()
+            self.pending = self.draft()
+            t4 = time.perf_counter()
+            self.commit(verify, self.read(outcome, active))
+        else:  # read first: the draft knows the cycle's tokens (the next trees read it: a second read)
+            self.commit(verify, self.read(outcome, active))
+            t3 = time.perf_counter()
+            if not all(self.batch.finished):
+                self.pending = self.draft()
+            t4 = time.perf_counter()
+        if self.static is None and 0 < sum(self.active) < len(active):  # a compiled verify keeps its batch's shape
             self.compact()
-        t3 = time.perf_counter()
-        self.stats.draft_s += t1 - t0
+        t5 = time.perf_counter()
+        self.stats.draft_s += (t1 - t0) + (t4 - t3)
         self.stats.verify_s += t2 - t1
-        self.stats.other_s += t3 - t2
-        self.overhead_s += (t1 - t0) + (t3 - t2)
+        self.stats.other_s += (t5 - t2) - (t4 - t3)
+        self.overhead_s += (t5 - t0) - (t2 - t1)
 
     # ----------------------------------------------------------------------------------------------- stages
     def draft(self) -> proposers.Draft:
@@ -158,7 +186,8 @@ class Engine:
         columns suffice); a sampled chain draws its drafts under the processors and keeps that q."""
         sampled_chain = not self.plan.tree and (self.do_sample or bool(self.processors))
         logits = self.drafter.draft_logits(self.anchors[:, None], self.taps[:, :, self.tap_index], self.anchor_pos,
-                                           self.ctx_pos, self.dcache, self.valid if self.holes else None, self.vocab,
+                                           self.ctx_pos, self.dcache, self.valid if self.holes or self.unread else None,
+                                           self.vocab,
                                            compact=not sampled_chain)
         if sampled_chain:
             picked = [choose_tokens(logits[b : b + 1], self.batch.sequence(b),
@@ -269,13 +298,48 @@ class Engine:
         return self.forward(self.cache, input_ids=verify.ids, attention_mask=mask, position_ids=verify.positions,
                             use_cache=True)
 
-    def commit(self, verify: Verify, walks: list[Walk | None]) -> None:
-        """Append each row's tokens (until a stopping criterion fires); keep the accepted paths' K/V and taps."""
+    def advance(self, outcome: Outcome, active: list[bool]) -> None:
+        """What the next draft needs of each row's accepted path, on the device: its taps, its columns as valid, its
+        last token as the next anchor. Until the read says how long the longest path is (`commit`), every row keeps
+        as many columns as the deepest tree has nodes on a path, masked past its own path; the target's cache keeps
+        the paths' K/V at the commit (the next verify is the first to read it)."""
         start, device = self.valid.shape[1], self.valid.device
-        width = max(len(w.path) for w in walks if w is not None)
-        index = torch.zeros(len(walks), width, dtype=torch.long)
-        new_valid = torch.zeros(len(walks), width, dtype=torch.bool)
-        anchors, advance = list(self.anchor_ids), [0] * len(walks)
+        on = torch.tensor(active, device=device)
+        length = torch.where(on, outcome.length, 0)  # a finished row keeps nothing
+        width = outcome.nodes.shape[1]
+        self.valid = torch.cat((self.valid, torch.arange(width, device=device) < length[:, None]), dim=1)
+        taps = self.latest_taps()  # [B, N, T, H]
+        self.taps = taps.gather(1, outcome.nodes[:, :, None, None].expand(-1, -1, *taps.shape[2:]))
+        self.ctx_pos = self.anchor_pos[:, None] + torch.arange(width, device=device)
+        last = outcome.tokens.gather(1, (length - 1).clamp_min(0)[:, None])[:, 0]
+        self.anchors = torch.where(on, last, self.anchors)
+        self.anchor_pos = self.anchor_pos + length
+        self.advanced, self.unread, self.nodes = (start, width), True, outcome.nodes
+
+    def options_read(self) -> int:
+        """The own options per draft position the trees read (`Draft.on_host`'s k): the own tree's branches."""
+        return self.plan.num_branches if self.plan.tree and self.vp_drafter is None else 0
+
+    def read(self, outcome: Outcome, active: list[bool]) -> list[Walk | None]:
+        """The cycle's one host synchronisation: every row's accepted path (a `Walk` per active row) and the next
+        draft as the trees will read it (`Draft.on_host`)."""
+        width = outcome.nodes.shape[1]
+        paths = torch.cat((outcome.length[:, None], outcome.tokens, outcome.nodes), 1)  # [B, 1 + 2D]
+        drafted = self.pending is not None
+        rows = self.pending.read_with(self.options_read(), paths) if drafted else paths.tolist()
+        walks = []
+        for b, row in enumerate(rows):
+            if not active[b]:
+                walks.append(None)
+                continue
+            n = int(row[0])
+            path = [int(node) for node in row[1 + width : 1 + width + n]]
+            walks.append(Walk([int(token) for token in row[1 : 1 + n]], path, outcome.logits[b, path]))
+        return walks
+
+    def commit(self, verify: Verify, walks: list[Walk | None]) -> None:
+        """Append each row's tokens (until a stopping criterion fires); keep as many columns as the longest path."""
+        anchors = list(self.anchor_ids)
         for b, walk in enumerate(walks):
             if walk is None:
                 continue
@@ -289,20 +353,20 @@ class Engine:
             for vocab in (self.vocab, self.vp_vocab):
                 if vocab is not None:
                     vocab.add(walk.tokens[:committed])
-            index[b, : len(walk.path)] = torch.tensor(walk.path)
-            new_valid[b, : len(walk.path)] = True
-            anchors[b], advance[b] = walk.tokens[-1], len(walk.path)
-        index, new_valid = index.to(device), new_valid.to(device)
-        if any(w is not None and w.path != list(range(len(w.path))) for w in walks):
-            compat.keep_paths(self.cache, start, index)
-        compat.crop_to(self.cache, start + width)
-        self.valid = torch.cat((self.valid, new_valid), dim=1)
+            anchors[b] = walk.tokens[-1]
+        start, kept = self.advanced
+        width = max([len(w.path) for w in walks if w is not None] or [1])
+        if any(w is not None and w.path != list(range(len(w.path))) for w in walks):  # a path off the first nodes
+            compat.keep_paths(self.cache, start, self.nodes[:, :width])
+        compat.crop_to(self.cache, start + width)  # the next verify writes over what no path kept
+        if width < kept:  # columns no row's path reached
+            self.valid, self.taps, self.ctx_pos = self.valid[:, : start + width], self.taps[:, :width], \
+                self.ctx_pos[:, :width]
+            if self.plan.one_read:  # the next draft has read them (the VP drafter reads only the kept ones)
+                self.dcache.crop(kept - width)
         self.holes = self.holes or not all(w is not None and len(w.path) == width for w in walks)
-        taps = self.latest_taps()  # [B, N, T, H]
-        self.taps = taps.gather(1, index[:, :, None, None].expand(-1, -1, *taps.shape[2:]))
-        self.ctx_pos = self.anchor_pos[:, None] + torch.arange(width, device=device)
-        self.anchors, self.anchor_ids = self.anchors.new_tensor(anchors), anchors
-        self.anchor_pos = self.anchor_pos + torch.tensor(advance, device=device)
+        self.advanced, self.unread = (start, width), False
+        self.anchor_ids = anchors
         self.stats.cycles += 1
         self.stats.verified.append(verify.ids.shape[1])
 
@@ -316,6 +380,7 @@ class Engine:
         self.taps, self.ctx_pos = self.taps[index], self.ctx_pos[index]
         self.anchor_ids = [self.anchor_ids[b] for b in slots]
         self.lookups, self.proposals = [self.lookups[b] for b in slots], [self.proposals[b] for b in slots]
+        self.pending = self.pending.select(slots)
         compat.select_rows(self.cache, index)
         self.dcache.select_rows(index)
         if self.vp_drafter is not None:

@@ -58,6 +58,7 @@ class Plan:
     calibrate_s: float = 0.0  # what measuring cost
     compile_widths: tuple[int, ...] | None = None  # the verify runs compiled at these widths (None: eager)
     compile_s: float = 0.0  # what compiling cost (apart from calibrate_s)
+    one_read: bool = False  # draft the next block before the cycle's read: one read a cycle (else two, fresher drafts)
     reasons: tuple[str, ...] = field(default_factory=tuple)  # one line per decision
 
     @property
@@ -120,7 +121,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
               num_branches: int = 4, branch_policy: str = "ranked",
               draft_confidence: float | str | None = None, compile: bool | None = None,
               compile_widths: tuple[int, ...] | None = None, cpu_linear: bool | None = None,
-              direct_forward: bool | None = None) -> Plan:
+              direct_forward: bool | None = None, one_read: bool | None = None) -> Plan:
     """Measure what the engine needs on `target`'s device and choose the method: a Plan.
 
     Options given here are kept as given (they are the caller's choice); the rest are chosen, each with a line in
@@ -138,6 +139,12 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     `Plan.direct_widths`), with torch's matrix products or, on a CPU, the CPU kernel's (`kernels/cpu_linear.py`,
     built on first use; `Plan.cpu_linear_widths`). `cpu_linear=False` / `direct_forward=False` leave a way out,
     `True` fails where it cannot run.
+
+    `one_read=True` drafts each cycle's next block before the cycle reads anything back, so a cycle waits for the
+    device once (the accepted paths and the next draft in one transfer); that draft misses what only the read tells
+    (the cycle's new tokens in the draft vocabulary, and the rows' tokens where logits processors shape a sampled
+    draft). False drafts after the read: two reads a cycle. None: one read on a GPU, where each read stalls the
+    device; two on a CPU, where a read costs nothing and the fresher drafts are accepted more often.
     """
     if branch_policy not in BRANCH_POLICIES:
         raise ValueError(f"branch_policy must be one of {BRANCH_POLICIES}, got {branch_policy!r}.")
@@ -215,12 +222,17 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                        f"tokens at batch {batch_size}")
     elif cut.minimum is not None:
         reasons.append(f"draft_confidence {confidence}: at least {cut.minimum} drafts (the widest cheap verify)")
+    if one_read is None:
+        one_read = device.type == "cuda"
+        reasons.append("one read a cycle: the next block is drafted before the cycle's read (a GPU, where a read "
+                       "stalls it)" if one_read else "two reads a cycle: the next block is drafted after the cycle's "
+                       "tokens are read, with them in its vocabulary (a CPU, where a read costs nothing)")
     return Plan(device=device.type, batch_size=batch_size, tree=tree, prompt_lookup=bool(prompt_lookup),
                 num_branches=num_branches, branch_policy=branch_policy, draft_confidence=confidence,
                 min_drafts=cut.minimum, transposed=transposed, cpu_linear_widths=kernel_widths,
                 direct_widths=direct_widths, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
-                compile_s=compile_s, reasons=tuple(reasons))
+                compile_s=compile_s, one_read=bool(one_read), reasons=tuple(reasons))
 
 
 def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | None:

@@ -47,24 +47,40 @@ class Draft:
         """Per row: the spine's first `depth` drafts, their confidences c_1…c_d and chances c_1…c_i (products), and
         (k > 0) the k best own options above `depth` (`own_branches`, with scores: score, depth, token; best first).
         Read from the device for every row, every depth and path at once (each position's k best options come along,
-        so any depth finds its k best among them): the draft stage's one host synchronisation."""
+        so any depth finds its k best among them), unless `read_with` brought it along with another read."""
         if k not in self._read:
-            spine, confidences = self.spine, self.confidences.float()
-            d, each = spine.shape[1], 0  # each: options per position
-            parts = [spine, confidences, confidences.cumprod(1)]
-            if k:
-                values, tokens = _position_options(self.logits, spine, confidences, k, self.columns)  # [B, K, k']
-                each = values.shape[2]
-                parts += [values.flatten(1), tokens.flatten(1)]
-            flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
-            n = d * each  # options per row
-            self._read[k] = [
-                ([int(t) for t in row[:d]], row[d : 2 * d], row[2 * d : 3 * d],
-                 [(v, j // each, int(t)) for j, (v, t) in enumerate(zip(row[3 * d : 3 * d + n], row[3 * d + n :]))])
-                for row in flat]
+            self.read_with(k)
         return [(spine[:depth], confidences[:depth], chances[:depth],
                  sorted((o for o in options if o[1] < depth), key=lambda o: -o[0])[:k])  # stable: ties to shallower
                 for spine, confidences, chances, options in self._read[k]]
+
+    def read_with(self, k: int, extra: torch.Tensor | None = None) -> list[list[float]]:
+        """Read what `on_host(..., k)` serves, and `extra` [B, E] (ids or float32 values, returned per row as floats)
+        in the same transfer: one host synchronisation for both."""
+        spine, confidences = self.spine, self.confidences.float()
+        d, each = spine.shape[1], 0  # each: options per position
+        parts = [] if extra is None else [extra]
+        parts += [spine, confidences, confidences.cumprod(1)]
+        if k:
+            values, tokens = _position_options(self.logits, spine, confidences, k, self.columns)  # [B, K, k']
+            each = values.shape[2]
+            parts += [values.flatten(1), tokens.flatten(1)]
+        flat = torch.cat([part.double() for part in parts], 1).tolist()  # ids and float32 values are exact
+        e = 0 if extra is None else extra.shape[1]
+        n = d * each  # options per row
+        self._read[k] = [
+            ([int(t) for t in row[e : e + d]], row[e + d : e + 2 * d], row[e + 2 * d : e + 3 * d],
+             [(v, j // each, int(t)) for j, (v, t) in enumerate(zip(row[e + 3 * d : e + 3 * d + n],
+                                                                    row[e + 3 * d + n :]))])
+            for row in flat]
+        return [row[:e] for row in flat]
+
+    def select(self, slots: list[int]) -> "Draft":
+        """The draft of the rows `slots` (a batch that lost rows), with what was read of them."""
+        index = torch.tensor(slots, device=self.spine.device)
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Draft(self.spine[index], self.confidences[index], self.logits[index], self.columns,
+                     pick(self.q_logits), {k: [rows[b] for b in slots] for k, rows in self._read.items()})
 
 
 @dataclass

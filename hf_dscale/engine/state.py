@@ -174,13 +174,29 @@ class Verify:
     positions: torch.Tensor  # [B, N] anchor position + depth
     allowed: torch.Tensor | None  # [B, N, N] bool, node i may see node j (ancestry); None: every row a full chain
     trees: list[TokenTree]
+    parents: torch.Tensor  # [B, N] each node's parent (-1: the anchor, and padding, which no path reaches)
+    depths: torch.Tensor  # [B, N] each node's depth (the anchor's: 0)
 
     @classmethod
     def of(cls, trees: list[TokenTree], anchor_pos: torch.Tensor) -> "Verify":
         """Pad the trees to a batch; a chain batch (every tree one path of the same length) needs no tree mask."""
         n = max(len(tree) for tree in trees)
         chain = all(len(tree) == n and tree.depths == list(range(n)) for tree in trees)
-        return cls(*_pad(trees, anchor_pos, n, mask=not chain), trees)
+        ids, positions, allowed = _pad(trees, anchor_pos, n, mask=not chain)
+        parents = torch.tensor([tree.parents + [-1] * (n - len(tree)) for tree in trees], device=ids.device)
+        return cls(ids, positions, allowed, trees, parents, positions - anchor_pos[:, None])
+
+    @property
+    def depth(self) -> int:
+        """Nodes on the longest path of any row's tree (the anchor included): how long an accepted path can be."""
+        return max(max(tree.depths) for tree in self.trees) + 1
+
+    def ancestors(self) -> torch.Tensor:
+        """[B, N, N] bool: node j is node i or one of its ancestors."""
+        if self.allowed is not None:
+            return self.allowed
+        n = self.ids.shape[1]
+        return torch.ones(n, n, dtype=torch.bool, device=self.ids.device).tril().expand(self.ids.shape[0], n, n)
 
     def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, positions [B, width], allowed [B, width, width]): the trees padded to `width` (a compiled verify's),
@@ -201,6 +217,16 @@ def _pad(trees: list[TokenTree], anchor_pos: torch.Tensor, n: int, mask: bool):
             allowed[b, : len(tree), : len(tree)] = tree.ancestor_mask()
         allowed = allowed.to(device)
     return ids, anchor_pos[:, None] + depths, allowed
+
+
+@dataclass
+class Outcome:
+    """Every row's accepted path, on the device (stage 3), before anything of it is read."""
+
+    length: torch.Tensor  # [B] nodes on the path, the anchor included: the tokens the row commits
+    nodes: torch.Tensor  # [B, D] the path's node at each depth (0 past its end); D: the deepest tree's nodes + 1
+    tokens: torch.Tensor  # [B, D] the target's token after each of those nodes: the accepted drafts, then one more
+    logits: torch.Tensor  # [B, N, V] the (processed) logits the tokens were chosen from
 
 
 @dataclass

@@ -40,6 +40,7 @@ def generate(
     compile: bool | None = None,
     cpu_linear: bool | None = None,
     direct_forward: bool | None = None,
+    one_read: bool | None = None,
     plan=None,
     streamer_=None,
     dscale_stats=None,
@@ -87,6 +88,9 @@ def generate(
             verify is transformers' module machinery). Default: for float32 Llama-family targets whose forward a
             probe shows equal, measured per verify width once per target, kept where cheaper; False: the target's
             own forward; True: fail where it cannot run.
+        one_read: True drafts each cycle's next block before reading the cycle's tokens back, so the host waits for
+            the device once a cycle; False drafts after that read, with the new tokens known (two reads). Default: one
+            read on a GPU, two on a CPU (see `hf_dscale.engine.calibrate`); output is unchanged either way.
         plan: a `hf_dscale.engine.Plan` (from `calibrate`) to decode with instead of the one measured for this
             target; it fixes the method, so it excludes the options above.
         streamer_: a transformers streamer (batch size 1).
@@ -112,7 +116,7 @@ def generate(
                               cache=compat.find_cache(model_kwargs), streamer=streamer_, tree_kernel=tree_kernel,
                               tree=draft_tree, num_branches=num_branches, branch_policy=branch_policy,
                               draft_confidence=draft_confidence, prompt_lookup=prompt_lookup, compile=compile,
-                              cpu_linear=cpu_linear, direct_forward=direct_forward)
+                              cpu_linear=cpu_linear, direct_forward=direct_forward, one_read=one_read)
     if dscale_stats is not None:
         dscale_stats.merge(stats)
     if generation_config.return_dict_in_generate:

@@ -161,6 +161,12 @@ class DraftContextCache:
         self.keys = [None if k is None else k[rows] for k in self.keys]
         self.values = [None if v is None else v[rows] for v in self.values]
 
+    def crop(self, columns: int) -> None:
+        """Drop the last `columns` context positions (the next context is written over them)."""
+        if columns:
+            self.keys = [None if k is None else k[:, :, : k.shape[-2] - columns] for k in self.keys]
+            self.values = [None if v is None else v[:, :, : v.shape[-2] - columns] for v in self.values]
+
 
 class _TransformersCache:
     """Adapter for the cache of transformers' built-in DFlash generator, which keeps context *and* block

@@ -264,11 +264,14 @@ class _Never(StoppingCriteria):
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("own_criterion", [False, True])
 @pytest.mark.parametrize("method", ["tree", "tree cut", "tree processed", "chain", "sampled chain", "d2sd"])
-def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batch, own_criterion, method):
-    """The draft is read once for every row and path (the chain's cut and D²SD's boundaries read the same transfer),
-    D²SD's VP pass once for every row and branch, and the target's tokens once (a sampled chain's rejection rule too,
-    and a tree's walk under logits processors); length and EOS stops are answered on the host, a criterion of the
-    user's own is read once per row. No other stage waits for the device (a GPU would stall on each read)."""
+@pytest.mark.parametrize("one_read", [True, False])
+def test_a_cycle_reads_the_device_once(monkeypatch, batch, own_criterion, method, one_read):
+    """With `one_read` (a GPU's default) a cycle waits for the device once: every row's accepted path (the walk runs
+    on the device: a sampled chain's rejection rule too, and a tree's walk under logits processors) comes back with
+    the next draft, for every row and path (the chain's cut and D²SD's boundaries read it); D²SD's VP pass is read
+    once more, for every row and branch. Without it (a CPU's default) the draft follows the read and is read apart:
+    one more. Length and EOS stops are answered on the host, a criterion of the user's own is read once per row. No
+    other stage waits for the device (a GPU would stall on each read)."""
     from hf_dscale.engine import loop
 
     target = tiny_target("llama", eos=5)
@@ -291,9 +294,10 @@ def test_a_cycle_reads_the_device_once_per_stage_that_needs_it(monkeypatch, batc
            "d2sd": {"do_sample": False, "vp_drafter": tiny_drafter(target, block_size=8, seed=7)}}[method]
     torch.manual_seed(0)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, custom_generate=custom_generate,
-                    drafter=drafter, dscale_stats=stats, **how, **own)
+                    drafter=drafter, dscale_stats=stats, one_read=one_read, **how, **own)
     assert stats.plan.tree == (method in ("tree", "tree cut", "tree processed", "d2sd"))
     assert stats.plan.prompt_lookup == (method == "tree")
     assert stats.cycles > 3
-    stages = 3 if method == "d2sd" else 2
-    assert reads.count <= (stages + (batch if own_criterion else 0)) * stats.cycles
+    reads_per_cycle = (2 if method == "d2sd" else 1) + (not one_read)
+    assert stats.plan.one_read == one_read
+    assert reads.count <= (reads_per_cycle + (batch if own_criterion else 0)) * stats.cycles
