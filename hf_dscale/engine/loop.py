@@ -1,6 +1,7 @@
 """The decode engine: one loop for every speculative method, batch size >= 1.
 
     prefill, draft -> while a row runs: trees -> verify -> accept -> advance -> draft -> read -> commit
+                                        (without `Plan.one_read`: ... -> advance -> read -> commit -> draft)
 
 * **draft**: the block drafter proposes a block per row in one pass (`proposers.Draft`).
 * **trees**: each row's candidate paths (the chain, the drafter's own runner-ups, a VP drafter's branches, the
@@ -24,13 +25,14 @@
   only, the mask spans the cache's whole capacity, and the taps come back from the forward itself.
 
 Logits processors and stopping criteria see each row as plain `generate()` lays it out, one position at a time.
-The host waits for the device once a cycle (`Engine.read`): every row's accepted path and the next draft, for every
-row and path, come back in one transfer; D²SD reads its VP pass once more. The draft is made before that read, so it
-sees the rows as they were before the cycle's tokens where a processor shapes it (a sampled chain under logits
-processors: its q is still the distribution its drafts were drawn from, so sampling stays lossless) and its draft
-vocabulary gains the cycle's tokens a cycle later. Length and EOS stops are answered on the host
-(`state.host_stop`); other stopping criteria are read once per row (`Rows.commit`). The anchors and the draft
-vocabularies' members are kept on the host.
+With `Plan.one_read` (a GPU's default) the host waits for the device once a cycle (`Engine.read`): every row's
+accepted path and the next draft, for every row and path, come back in one transfer; D²SD reads its VP pass once
+more. That draft is made before the read, so it sees the rows as they were before the cycle's tokens where a
+processor shapes it (a sampled chain under logits processors: its q is still the distribution its drafts were drawn
+from, so sampling stays lossless) and its draft vocabulary gains the cycle's tokens a cycle later. Without it (a
+CPU's default, where a read costs nothing) the draft follows the read and is read on its own: twice a cycle.
+Length and EOS stops are answered on the host (`state.host_stop`); other stopping criteria are read once per row
+(`Rows.commit`). The anchors and the draft vocabularies' members are kept on the host.
 """
 
 from __future__ import annotations
@@ -321,8 +323,8 @@ class Engine:
         return self.plan.num_branches if self.plan.tree and self.vp_drafter is None else 0
 
     def read(self, outcome: Outcome, active: list[bool]) -> list[Walk | None]:
-        """The cycle's one host synchronisation: every row's accepted path (a `Walk` per active row) and the next
-        draft as the trees will read it (`Draft.on_host`)."""
+        """Every row's accepted path (a `Walk` per active row), and, when the next draft is already made
+        (`Plan.one_read`), that draft as the trees will read it (`Draft.on_host`): one host synchronisation."""
         width = outcome.nodes.shape[1]
         paths = torch.cat((outcome.length[:, None], outcome.tokens, outcome.nodes), 1)  # [B, 1 + 2D]
         drafted = self.pending is not None
