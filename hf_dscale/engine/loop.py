@@ -293,10 +293,7 @@ class Engine:
         if verify.allowed is None and not self.attention.sliding:
             mask = torch.cat((self.valid, self.valid.new_ones(self.valid.shape[0], n)), dim=1).long()
         else:
-            allowed = verify.allowed
-            if allowed is None:
-                allowed = torch.ones(n, n, dtype=torch.bool, device=verify.ids.device).tril()
-            mask = self.attention.after_cache(self.valid, verify.positions, allowed, self.target.dtype)
+            mask = self.attention.after_cache(self.valid, verify.positions, verify.ancestors(), self.target.dtype)
         return self.forward(self.cache, input_ids=verify.ids, attention_mask=mask, position_ids=verify.positions,
                             use_cache=True)
 
@@ -383,7 +380,7 @@ class Engine:
         self.anchor_ids = [self.anchor_ids[b] for b in slots]
         self.lookups, self.proposals = [self.lookups[b] for b in slots], [self.proposals[b] for b in slots]
         self.pending = self.pending.select(slots)
-        compat.select_rows(self.cache, index)
+        self.cache.batch_select_indices(index)  # transformers' own: each layer keeps those rows
         self.dcache.select_rows(index)
         if self.vp_drafter is not None:
             self.vp_cache.select_rows(index)

@@ -1,7 +1,7 @@
 """The engine's typed state: the rows as `generate()` sees them, and what each stage of a cycle hands the next.
 
 A cycle is draft (`proposers.Draft`) -> trees (one `TokenTree` per row; a chain is a one-path tree) -> `Verify`
-(one target forward over every row's nodes) -> `Walk` per row (accept) -> commit.
+(one target forward over every row's nodes) -> `Outcome` (accept, on the device) -> `Walk` per row (read) -> commit.
 """
 
 from __future__ import annotations

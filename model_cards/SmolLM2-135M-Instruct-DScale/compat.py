@@ -166,14 +166,6 @@ def crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def select_rows(cache, index: torch.Tensor) -> None:
-    """Keep the rows `index` [B'] of every layer of a `position_cache` (the next update moves them into buffers of
-    the cache's capacity)."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-
-
 def keep_paths(cache, start: int, index: torch.Tensor) -> None:
     """After a forward appended N nodes per row at `start`, pack each row's accepted path at start, start + 1, ...:
     index [B, L] holds the node (0..N-1) for each of those columns. The caller crops to start + L."""
