@@ -86,6 +86,22 @@ def test_eos_inside_a_block_and_rows_finishing_apart():
     assert torch.equal(one, target.generate(ids[:1], assistant_model=drafter, max_new_tokens=30, do_sample=False))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_assistant_blocks_running_past_eos_stop_at_it(family):
+    """The assistant knows what the target would emit after its EOS (a probe that does not stop there), so whole
+    blocks past the EOS are accepted: `generate(assistant_model=)` must still end at the EOS, on every supported
+    transformers (5.17's assisted loop keeps every accepted token; later ones crop at an EOS themselves)."""
+    probe = tiny_target(family)
+    ids, _ = _prompt(1, 8, seed=3, ragged=False)
+    free = probe.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1]:].tolist()
+    at = next(i for i in range(8, len(free)) if free[i] not in free[:i])  # a token first emitted mid-way
+    target = tiny_target(family, eos=free[at])
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    assert plain.shape[1] == ids.shape[1] + at + 1
+    drafter = _oracle(target, probe.generate(ids, max_new_tokens=30, do_sample=False), None, error_rate=0.0)
+    assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
+
+
 @pytest.mark.parametrize("new", [1, 2, 5, 7, 8, 9, 13])
 def test_max_new_tokens_inside_a_block(new):
     target = tiny_target("qwen3")

@@ -299,6 +299,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
         # Held weakly: the copy belongs to transformers' assisted generator and is freed when its generate() ends.
         self._generation_config = None if generation_config is None else weakref.ref(generation_config)
         self.do_sample = bool(getattr(generation_config, "do_sample", False))
+        self.eos = eos_ids(generation_config)  # [E] or None: a block is proposed up to its first EOS, included
         self.logits_processor = logits_processor
         self.draft_seconds, self.blocks = 0.0, 0  # drafting time per block: the throughput cut's overhead
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
@@ -354,6 +355,11 @@ class DScaleCandidateGenerator(CandidateGenerator):
             tokens, scores = tokens[:, :n], scores[:, :n]
             if compact:
                 tokens, scores = self.vocab.ids[tokens], self.vocab.spread(scores)
+            if self.eos is not None:  # nothing after an EOS: some transformers keep every accepted token
+                ends = torch.isin(tokens[0], self.eos.to(tokens.device)).nonzero()
+                if ends.numel():
+                    n = int(ends[0, 0]) + 1
+                    tokens, scores = tokens[:, :n], scores[:, :n]
             tokens, scores = tokens.to(input_ids.device), scores.to(input_ids.device)
             self.blocks += 1
             self.draft_seconds += time.perf_counter() - start
@@ -365,6 +371,15 @@ class DScaleCandidateGenerator(CandidateGenerator):
 
     def close(self) -> None:
         self.recorder.remove()
+
+
+def eos_ids(generation_config) -> torch.Tensor | None:
+    """The generation config's EOS ids as a tensor [E], or None when it has none."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        return None
+    eos = torch.as_tensor(eos, dtype=torch.long).flatten()
+    return eos if eos.numel() else None
 
 
 def find_calling_target(drafter: nn.Module) -> nn.Module | None:
