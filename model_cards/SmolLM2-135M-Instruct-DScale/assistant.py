@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .modeling_dscale import DraftContextCache, tap_layers
 
@@ -382,22 +383,56 @@ def eos_ids(generation_config) -> torch.Tensor | None:
     return eos if eos.numel() else None
 
 
-def find_calling_target(drafter: nn.Module) -> nn.Module | None:
-    """The model whose `generate` is running with `drafter` as its assistant, found on the call stack: the frame
-    of a module's method whose argument `assistant_model` is `drafter` (`generate`'s public argument).
+# Criteria whose stop transformers' assisted loop finds itself (a length, a time, an EOS ended a block on).
+BLOCK_SAFE_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria)
+
+
+@dataclass
+class CallingGenerate:
+    """What the running `target.generate(..., assistant_model=drafter)` was given, read from its public arguments."""
+
+    target: nn.Module | None = None
+    stop_strings: list | None = None  # `stop_strings=` or the generation config's
+    own_criteria: list | None = None  # the user's `stopping_criteria=` that the assisted loop cannot apply exactly
+
+
+def find_calling_generate(drafter: nn.Module) -> CallingGenerate:
+    """The `generate` running with `drafter` as its assistant, found on the call stack: the frame of a module's
+    method whose argument `assistant_model` is `drafter` (`generate`'s public argument), and its public arguments
+    `stopping_criteria`, `generation_config` and `stop_strings=`.
 
     The walk starts at the caller's frame and keeps no frame or locals snapshot afterwards, so no reference cycle
     holds the running `generate()`'s objects (and the tap hooks) alive after it returns."""
     frame = inspect.currentframe().f_back
     try:
         while frame is not None:
-            owner, assistant = (frame.f_locals.get(name) for name in ("self", "assistant_model"))
+            local = frame.f_locals
+            owner, assistant = local.get("self"), local.get("assistant_model")
             if assistant is drafter and isinstance(owner, nn.Module) and owner is not drafter:
-                return owner
+                kwargs = local.get("kwargs") if isinstance(local.get("kwargs"), dict) else {}
+                strings = kwargs.get("stop_strings") or getattr(local.get("generation_config"), "stop_strings", None)
+                own = [c for c in local.get("stopping_criteria") or () if not isinstance(c, BLOCK_SAFE_CRITERIA)]
+                return CallingGenerate(owner, strings or None, own or None)
             frame = frame.f_back
-        return None
+        return CallingGenerate()
     finally:
         del frame
+
+
+def refuse_unchecked_stops(call: CallingGenerate) -> None:
+    """transformers' assisted loop asks the stopping criteria once per accepted block, about its last token, so a
+    stop string or a criterion of the user's own that fires inside a block would let the output run past it."""
+    if call.stop_strings or call.own_criteria:
+        found = f"stop strings {call.stop_strings}" if call.stop_strings else \
+            f"stopping criteria {[type(c).__name__ for c in call.own_criteria]}"
+        raise ValueError(
+            f"generate(assistant_model=drafter) was given {found}. transformers' assisted loop checks those only "
+            "at the end of each accepted block, so the output could run past them. Pass them to hf_dscale's "
+            "engine instead, which checks every token: generate(..., custom_generate=hf_dscale.custom_generate, "
+            "drafter=drafter, stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, strings)])), "
+            "or with custom_generate=\"<a folder or Hub id holding hf_dscale's custom_generate>\" and "
+            "trust_remote_code=True."
+        )
 
 
 def choose_tokens(
@@ -440,7 +475,9 @@ def _session(drafter, generation_config, logits_processor) -> DScaleCandidateGen
         return session
     if session is not None:
         _end_session(drafter, session)
-    caller = find_calling_target(drafter)
+    call = find_calling_generate(drafter)
+    refuse_unchecked_stops(call)
+    caller = call.target
     if caller is not None and caller is not drafter.target:
         drafter.bind_target(caller)
     if drafter.target is None:

@@ -102,6 +102,30 @@ def test_assistant_blocks_running_past_eos_stop_at_it(family):
     assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
 
 
+def test_assistant_model_refuses_stops_it_cannot_check_before_generating(monkeypatch):
+    """transformers' assisted loop checks the stopping criteria once a block: a stop string or a criterion of the
+    user's own is refused with a clear error before the target runs; length, time and EOS criteria are fine."""
+    from transformers import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+
+    from .test_fuzz import CHARACTERS
+
+    target = tiny_target("llama")
+    ids, _ = _prompt(1, 8, seed=3, ragged=False)
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+    forwards = []
+    target.register_forward_pre_hook(lambda *a: forwards.append(1))
+    for kw in (dict(stop_strings=["ab"], tokenizer=CHARACTERS),
+               dict(stopping_criteria=StoppingCriteriaList([StopStringCriteria(CHARACTERS, ["ab"])]))):
+        with pytest.raises(ValueError, match="custom_generate"):
+            target.generate(ids, assistant_model=_oracle(target, plain, None, 0.0), max_new_tokens=20,
+                            do_sample=False, **kw)
+        assert not forwards, kw
+    criteria = StoppingCriteriaList([MaxTimeCriteria(60.0)])
+    spec = target.generate(ids, assistant_model=_oracle(target, plain, None, 0.0), max_new_tokens=20,
+                           do_sample=False, stopping_criteria=criteria)
+    assert torch.equal(plain, spec)
+
+
 @pytest.mark.parametrize("new", [1, 2, 5, 7, 8, 9, 13])
 def test_max_new_tokens_inside_a_block(new):
     target = tiny_target("qwen3")

@@ -25,7 +25,7 @@ def test_tap_hooks_removed_when_generate_returns():
 
 
 def test_tap_hooks_removed_after_a_failed_generate():
-    """A generation that raises midway (here: a stopping criterion that fails) leaves no hooks once its
+    """A generation that raises midway (here: a logits processor that fails) leaves no hooks once its
     traceback is gone."""
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
@@ -34,17 +34,17 @@ def test_tap_hooks_removed_after_a_failed_generate():
     class Fails:
         calls = 0
 
-        def __call__(self, input_ids, scores, **kwargs):
+        def __call__(self, input_ids, scores):
             self.calls += 1
             if self.calls > 2:
                 raise KeyError("stop")
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return scores
 
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(0))
     try:
-        target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, stopping_criteria=[Fails()])
+        target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, logits_processor=[Fails()])
     except KeyError:
         pass
     else:
-        raise AssertionError("the stopping criterion should have raised")
+        raise AssertionError("the logits processor should have raised")
     assert _hooks(target) == before
