@@ -475,9 +475,9 @@ def _dllm_summary(totals: dict, n: int) -> dict:
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
                block_sizes=None, threshold: float = 0.9, refresh_tokens: int | None | str = "plan",
-               on_problem: Callable[[int], None] | None = None) -> dict:
+               refresh_rows: str = "plan", on_problem: Callable[[int], None] | None = None) -> dict:
     """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`, None: the paper's set; `refresh_tokens`,
-    "plan": the paper's 32), or with both
+    "plan": the paper's 32; `refresh_rows`, "plan": the paper's "all"), or with both
     (`method="both"`): NFE, accuracy (final number) and speed per method.
 
     "both" interleaves the two methods problem by problem (which goes first alternates), so that a change in the
@@ -492,7 +492,7 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
     methods = DLLM_METHODS if method == "both" else (method,)
     run = {"fast-dllm": lambda q: fast_dllm_generate(model, q, gen_length, block_size, threshold),
            "blockbatch": lambda q: blockbatch_generate(model, q, gen_length, block_sizes, threshold,
-                                                       refresh_tokens=refresh_tokens)}
+                                                       refresh_tokens=refresh_tokens, refresh_rows=refresh_rows)}
     device = next(model.model.parameters()).device
     totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)
               for m in methods}

@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
     b.add_argument("--threshold", type=float, default=0.9)
     b.add_argument("--refresh-tokens", type=int, default=32,
                    help="BlockBatch's refresh interval with --block-sizes (a plan chooses its own)")
+    b.add_argument("--refresh-rows", choices=("all", "leader"), default="all",
+                   help="what BlockBatch's refresh runs with --block-sizes: every branch's row (the paper's) or the "
+                   "leader's alone, which every branch then takes (a plan chooses its own)")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--json", default=None)
@@ -140,12 +143,13 @@ def bench_main(args) -> int:
         print(_describe_plan(plan, plan_seconds), file=sys.stderr)
     bar = tqdm(total=len(problems), desc=f"bench-dllm {args.method}", unit="problem")
     refresh = plan.refresh_tokens if plan is not None else args.refresh_tokens
+    rows = plan.refresh_rows if plan is not None else args.refresh_rows
     report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
                         block_sizes=block_sizes, threshold=args.threshold, refresh_tokens=refresh,
-                        on_problem=lambda i: bar.update(1))
+                        refresh_rows=rows, on_problem=lambda i: bar.update(1))
     bar.close()
     if args.method != "fast-dllm":
-        report["block_sizes"], report["refresh_tokens"] = block_sizes, refresh
+        report["block_sizes"], report["refresh_tokens"], report["refresh_rows"] = block_sizes, refresh, rows
     if plan is not None:
         report["plan"] = dict(plan.to_dict(), plan_seconds=round(plan_seconds, 3), plan_problems="train split",
                               min_branches=args.min_branches)
@@ -186,11 +190,14 @@ def _describe_plan(plan, seconds: float) -> str:
     single = ", ".join(f"{q}: {1e3 * plan.seconds('block', (q,)):.1f} ms" for q in plan.candidates[0].block_sizes)
     chosen = "+".join(map(str, sorted(plan.block_sizes, reverse=True)))
     mine = next(c for c in plan.candidates
-                if c.block_sizes == plan.block_sizes and c.refresh_tokens == plan.refresh_tokens)
+                if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
+                == (plan.block_sizes, plan.refresh_tokens, plan.refresh_rows))
     host = f"  host time between model calls: {1e3 * mine.host_seconds:.1f} ms per answer"
     if plan.baseline is not None:
         host += f" (Fast-dLLM {1e3 * plan.baseline.host_seconds:.1f} ms)"
-    return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}\n"
+    refresh = "no refresh" if plan.refresh_tokens is None else f"a refresh every {plan.refresh_tokens} tokens" + (
+        " of the leader's row alone" if plan.refresh_rows == "leader" else "")
+    return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}, {refresh}\n"
             f"  full forward of length {plan.seq_len}: {costs}\n"
             f"  block forward of one window: {single}; of the branches' windows together ({chosen}, packed): "
             f"{1e3 * plan.seconds('block', plan.block_sizes):.1f} ms\n{host}\n  {plan.reason}")

@@ -15,8 +15,10 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
   sync (a branch more than 8 tokens behind copies the leader's row and cache row, keeping its own
   block grid) and a periodic full refresh (one batched full forward once any branch advanced 32
   tokens since the last refresh; a plan may choose 64). This is the paper's periodic
-  ("original_bulk") variant. A batched block forward runs only the branches' real window positions,
-  packed (the paper's varlen packing): windows of 16 and 32 cost 48 queries, not 2 x 32.
+  ("original_bulk") variant; a plan may also have a refresh run the leader's row alone, which every branch then
+  takes, as at the start (`refresh_rows="leader"`: one row's full forward). A batched block forward runs only the
+  branches' real window positions, packed (the paper's varlen packing): windows of 16 and 32 cost 48 queries, not
+  2 x 32.
 
 A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
 which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
@@ -43,6 +45,7 @@ from ..models.dscale.assistant import median_seconds
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's default set
 REFRESH_TOKENS = 32  # BlockBatch's periodic refresh: the paper's interval
 REFRESH_CANDIDATES = (32, 64)  # the intervals a plan compares (the paper's ablation ran 4 to 64)
+REFRESH_ROWS = ("all", "leader")  # what a refresh runs: every branch's row (the paper's), or the leader's alone
 
 
 @dataclass
@@ -354,11 +357,14 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                         block_sizes: Sequence[int] | None = None, threshold: float = 0.9, merge_gate: float = 0.5,
                         prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None | str = "plan",
                         exchange: bool = True, stop_early: bool = True,
-                        plan: BlockBatchPlan | None = None) -> DLLMResult:
+                        plan: BlockBatchPlan | None = None, refresh_rows: str = "plan") -> DLLMResult:
     """BlockBatch (see the module docstring); prompt [1, P].
 
     Branches: `block_sizes` when given, else `plan.block_sizes` (`plan_blockbatch`), else the paper's set.
     `refresh_tokens`: the periodic refresh's interval (None: never); "plan": the plan's, else the paper's 32.
+    `refresh_rows`: what a refresh runs. "all": every live branch's row (each distinct row once), the paper's;
+    "leader": the leader's row alone, which every live branch then takes (as at the start), so a refresh costs one
+    row's full forward; "plan": the plan's, else "all".
     `exchange=False` turns off merge and sync (each branch then decodes exactly as it would alone, if
     `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete.
     """
@@ -370,6 +376,10 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                          "holds each position's most likely token, which decides a gate of 0.5 or more.")
     if refresh_tokens == "plan":
         refresh_tokens = plan.refresh_tokens if plan is not None else REFRESH_TOKENS
+    if refresh_rows == "plan":
+        refresh_rows = plan.refresh_rows if plan is not None else "all"
+    if refresh_rows not in REFRESH_ROWS:
+        raise ValueError(f"refresh_rows must be one of {REFRESH_ROWS} or 'plan', got {refresh_rows!r}.")
     if block_sizes is None and plan is not None:
         block_sizes = plan.block_sizes
     sizes = sorted(BLOCK_SIZES if block_sizes is None else block_sizes)
@@ -400,6 +410,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         live = state.live()
         flagged = refresh_tokens is not None and any(state.since_refresh[i] >= refresh_tokens for i in live)
         w = state.windows(live)
+        if flagged and not force_block and refresh_rows == "leader" and len(live) > 1:
+            counts = state.decoded(live)
+            leader = live[max(range(len(live)), key=lambda k: (counts[k], -k))]  # sync's leader
+            state.x[live] = state.x[leader].clone()  # every branch refreshes from the leader's row: one row to run
+            state.snap(*live)  # each on its own grid
+            w = state.windows(live)
         if flagged and not force_block:
             # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
             distinct, of_row = torch.unique(state.x[w.rows], dim=0, return_inverse=True)  # [U, L], [R]
@@ -486,9 +502,11 @@ class CandidateCost:
     correct: float | None = None  # fraction answered right, where the plan was given a `check`
     refresh_tokens: int | None = REFRESH_TOKENS  # the refresh interval it ran with
     host_seconds: float = 0.0  # the time between its model calls (commits, merge, sync), measured in its runs
+    refresh_rows: str = "all"  # what its refreshes ran (`blockbatch_generate`)
 
     def to_dict(self) -> dict:
-        return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens, "nfe": round(self.nfe, 3),
+        return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
+                "refresh_rows": self.refresh_rows, "nfe": round(self.nfe, 3),
                 "expected_seconds": round(self.expected_seconds, 6), "host_seconds": round(self.host_seconds, 6),
                 "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
                 "correct": None if self.correct is None else round(self.correct, 4)}
@@ -515,6 +533,7 @@ class BlockBatchPlan:
     reason: str
     baseline: CandidateCost | None = None
     refresh_tokens: int | None = REFRESH_TOKENS
+    refresh_rows: str = "all"
 
     def seconds(self, kind: str, queries: Sequence[int]) -> float:
         """The priced seconds of one call of this shape (block windows in any order)."""
@@ -537,7 +556,8 @@ class BlockBatchPlan:
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
-                "gen_length": self.gen_length, "seq_len": self.seq_len, "reason": self.reason,
+                "refresh_rows": self.refresh_rows, "gen_length": self.gen_length, "seq_len": self.seq_len,
+                "reason": self.reason,
                 "batched_vs_single": self.batched_vs_single,
                 "step_costs": [{"kind": k, "rows": len(q), "queries": list(q), "seconds": round(s, 6)}
                                for k, q, s in self.step_costs],
@@ -550,9 +570,10 @@ class BlockBatchPlan:
         def cost(c: dict) -> CandidateCost:
             return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
                                  c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS),
-                                 c.get("host_seconds", 0.0))
+                                 c.get("host_seconds", 0.0), c.get("refresh_rows", "all"))
 
         return cls(block_sizes=tuple(d["block_sizes"]), refresh_tokens=d.get("refresh_tokens", REFRESH_TOKENS),
+                   refresh_rows=d.get("refresh_rows", "all"),
                    gen_length=d["gen_length"], seq_len=d["seq_len"],
                    step_costs=tuple((c["kind"], tuple(c["queries"]), c["seconds"]) for c in d["step_costs"]),
                    candidates=tuple(cost(c) for c in d["candidates"]), reason=d["reason"],
@@ -650,7 +671,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
     (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
     then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
-    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Within a
+    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Last, the
+    chosen set with refreshes of the leader's row alone (`refresh_rows="leader"`), taken if it qualifies and is any
+    cheaper: it saves a known cost, the other rows of each refresh. Within a
     step, sets priced within `tie` of the cheapest are a tie, which the fewer forwards decide (NFE on the calibration
     prompts is exact; a difference of a percent or two in seconds is not). A set qualifies only if at
     least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
@@ -694,7 +717,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     answers: dict = {}  # block sizes -> the answers [P + n] per prompt
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
 
-    def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult]) -> CandidateCost:
+    def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult],
+                rows: str = "all") -> CandidateCost:
         results, wall = [], 0.0
         timed = _Timed(model, clock, prompts[0].device) if price_host else None  # only where host time is priced
         for q in prompts:
@@ -703,8 +727,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
             results.append(decode(model if timed is None else timed, q))
             _sync(q.device)
             wall += clock() - start
-        answers[combo, refresh] = mine = [r.sequence for r in results]
-        reference = answers.get((sizes, refresh_candidates[0]), mine)
+        answers[combo, refresh, rows] = mine = [r.sequence for r in results]
+        reference = answers.get((sizes, refresh_candidates[0], "all"), mine)
         same = sum(bool(agree(a, b)) for a, b in zip(mine, reference))
         right = None if check is None else sum(bool(check(i, a)) for i, a in enumerate(mine)) / len(prompts)
         seconds = sum(priced[(kind, (seq_len,) * len(queries) if kind == "full" else queries)]  # full: at seq_len
@@ -712,14 +736,15 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         n = len(prompts)
         host = (wall - timed.seconds) / n if price_host else 0.0
         return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n + host, wall / n, same / n, right,
-                             refresh, host)
+                             refresh, host, rows)
 
-    def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0]) -> CandidateCost:
+    def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0], rows: str = "all"
+                 ) -> CandidateCost:
         """Decode the calibration prompts with these branches; price the forwards each run made."""
-        if (combo, refresh) not in tried:
-            tried[combo, refresh] = measure(combo, refresh, lambda m, q: blockbatch_generate(
-                m, q, gen_length, combo, threshold, refresh_tokens=refresh))
-        return tried[combo, refresh]
+        if (combo, refresh, rows) not in tried:
+            tried[combo, refresh, rows] = measure(combo, refresh, lambda m, q: blockbatch_generate(
+                m, q, gen_length, combo, threshold, refresh_tokens=refresh, refresh_rows=rows), rows)
+        return tried[combo, refresh, rows]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
     baseline = None
@@ -745,7 +770,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
                           step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced, key=_shape_order)),
                           candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline,
-                          refresh_tokens=chosen.refresh_tokens)
+                          refresh_tokens=chosen.refresh_tokens, refresh_rows=chosen.refresh_rows)
 
 
 def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refreshes: Sequence[int | None],
@@ -753,8 +778,10 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
             shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
     """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
     refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds (within
-    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not).
-    `evaluate(block_sizes, refresh)`. Returns the chosen set and the steps that led to it, in words."""
+    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not); last, the
+    chosen set with its refreshes running the leader's row alone, taken if it qualifies and is any cheaper (it saves
+    a known cost, the other rows of each refresh, where its decisions stay close). `evaluate(block_sizes, refresh,
+    rows="all")`. Returns the chosen set and the steps that led to it, in words."""
 
     seen: list[CandidateCost] = []
 
@@ -797,6 +824,14 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
         else:
             steps.append(f"{_name(current)} {shortfall(current)}: the reference set")
             current = evaluate(sizes)
+    if len(current.block_sizes) > 1 and current.refresh_tokens is not None:  # a refresh of the leader's row alone
+        lead = evaluate(current.block_sizes, current.refresh_tokens, "leader")
+        move = f"-> {_name(lead)} {lead.expected_seconds * 1e3:.2f} ms"
+        if qualifies(lead) and lead.expected_seconds < current.expected_seconds:
+            steps.append(f"{move}: saves {100 * (1 - lead.expected_seconds / current.expected_seconds):.1f}%")
+            current = lead
+        else:
+            steps.append(f"{move}: " + (shortfall(lead) if not qualifies(lead) else "no cheaper") + "; keep")
     return current, steps
 
 
@@ -807,4 +842,5 @@ def _shape_order(shape: Shape) -> tuple:
 
 def _name(c: CandidateCost) -> str:
     """e.g. {16,32}/r64: branches 16 and 32, a refresh every 64 tokens."""
-    return "{" + ",".join(map(str, c.block_sizes)) + "}" + f"/r{c.refresh_tokens}"
+    return "{" + ",".join(map(str, c.block_sizes)) + "}" + f"/r{c.refresh_tokens}" + (
+        "/leader" if c.refresh_rows == "leader" else "")

@@ -18,12 +18,13 @@ METHODS = ("fast-dllm", "blockbatch")
 
 def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
              mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
-             block_sizes=None, blockbatch_plan=None, refresh_tokens="plan", threshold: float = 0.9,
-             **model_kwargs):
+             block_sizes=None, blockbatch_plan=None, refresh_tokens="plan", refresh_rows="plan",
+             threshold: float = 0.9, **model_kwargs):
     """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch; default the paper's 4 to 128) or
     blockbatch_plan (a `BlockBatchPlan` from `plan_blockbatch`: branches and refresh interval chosen by measured step
     costs; explicit block_sizes win); refresh_tokens (BlockBatch's refresh interval, None: never; "plan": the plan's,
-    else 32); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts)."""
+    else 32); refresh_rows (what a refresh runs: "all" branches' rows, the paper's, or the "leader"'s alone; "plan":
+    the plan's, else "all"); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts)."""
     if dllm_method not in METHODS:
         raise ValueError(f"dllm_method must be one of {METHODS}, got {dllm_method!r}.")
     if generation_config is not None and generation_config.do_sample:
@@ -39,7 +40,8 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
             result = fast_dllm_generate(dlm, prompt, gen_length, block_size, threshold)
         else:
             result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold,
-                                         refresh_tokens=refresh_tokens, plan=blockbatch_plan)
+                                         refresh_tokens=refresh_tokens, refresh_rows=refresh_rows,
+                                         plan=blockbatch_plan)
         answers.append(result.sequence[prompt.shape[1] :])
         if dllm_stats is not None:
             dllm_stats.append(result)

@@ -251,6 +251,56 @@ def test_a_refresh_runs_each_distinct_row_once():
     assert torch.equal(cache.values[0][1], fresh.values[0][0]) and torch.equal(cache.values[0][3], fresh.values[0][0])
 
 
+def test_a_leader_refresh_runs_one_row_that_every_branch_takes():
+    """refresh_rows="leader": each refresh is a full forward of one row, the leader's, and every live branch holds
+    that row afterwards; with every branch's row refreshed (the paper's) some refreshes here run several."""
+    dlm = DiffusionModel(tiny_dlm(seed=4))
+    kw = dict(threshold=0.5, refresh_tokens=2, stop_early=False)
+    for seed in range(20):  # a prompt where the branches' rows differ at some refresh
+        prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(seed))
+        every = blockbatch_generate(dlm, prompt, G, (2, 4, 8), **kw)
+        if any(kind == "full" and len(queries) > 1 for kind, queries in every.forwards):
+            break
+    else:
+        raise AssertionError("no prompt where a refresh runs several distinct rows")
+    taken = []
+    full = dlm.full
+
+    def spy(x, cache=None):
+        taken.append(x.shape[0])
+        return full(x, cache)
+
+    dlm.full = spy
+    leader = blockbatch_generate(dlm, prompt, G, (2, 4, 8), refresh_rows="leader", **kw)
+    refreshes = [queries for kind, queries in leader.forwards[1:] if kind == "full"]
+    assert refreshes and all(len(queries) == 1 for queries in refreshes) and set(taken) == {1}
+    assert leader.events["refreshes"] == len(refreshes)
+    assert MASK not in leader.branch_rows[:, prompt.shape[1]:].tolist()[0]  # decoding went on to the end
+    with pytest.raises(ValueError, match="refresh_rows"):
+        blockbatch_generate(dlm, prompt, G, (2, 4, 8), refresh_rows="some")
+
+
+def test_plan_takes_the_leader_refresh_where_it_qualifies_and_is_cheaper():
+    """The plan's last step: the chosen set with refreshes of the leader's row alone, taken where full forwards cost
+    per row and its answers qualify, kept out where they do not; the choice travels in the plan and its JSON."""
+    dlm = DiffusionModel(tiny_dlm(seed=3))
+    prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
+    per_row = lambda kind, queries: 20.0 * len(queries) if kind == "full" else 1.0  # noqa: E731
+    plan = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2,),
+                           step_seconds=per_row, agree=lambda a, b: True)
+    tried = {c.refresh_rows: c for c in plan.candidates if c.block_sizes == plan.block_sizes}
+    assert set(tried) == {"all", "leader"}  # the refreshes here run several rows (20 each) where a leader's runs one
+    assert tried["leader"].expected_seconds < tried["all"].expected_seconds
+    assert plan.refresh_rows == "leader" and "/leader" in plan.reason
+    assert blockbatch_generate(dlm, prompt, G, plan=plan).forwards == blockbatch_generate(
+        dlm, prompt, G, plan.block_sizes, refresh_tokens=2, refresh_rows="leader").forwards
+    assert BlockBatchPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).refresh_rows == plan.refresh_rows
+    leader_only = lambda a, b: False  # noqa: E731  (nothing agrees with the reference: no set qualifies but it)
+    kept = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2,),
+                           step_seconds=per_row, agree=leader_only)
+    assert kept.refresh_rows == "all" and "/leader" in kept.reason and "; keep" in kept.reason
+
+
 def test_bench_both_reports_the_two_methods_side_by_side():
     from hf_dscale.evaluation import bench_dllm
     from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
@@ -274,7 +324,8 @@ def test_bench_both_reports_the_two_methods_side_by_side():
 
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
-    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "nfe": 2.5, "expected_seconds": 0.01,
+    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "refresh_rows": "all", "nfe": 2.5,
+                           "expected_seconds": 0.01,
                            "host_seconds": 0.0, "measured_seconds": 0.012, "agreement": 1.0, "correct": None}
 
 
@@ -287,11 +338,15 @@ def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
                                 step_seconds=lambda kind, queries: 20.0 * len(queries) if kind == "full" else 1.0,
                                 agree=lambda a, b: True)
     assert dear_full.refresh_tokens == 8 and f"{{{','.join(map(str, dear_full.block_sizes))}}}/r8" in dear_full.reason
-    runs = {c.refresh_tokens: c for c in dear_full.candidates if c.block_sizes == dear_full.block_sizes}
+    runs = {c.refresh_tokens: c for c in dear_full.candidates
+            if c.block_sizes == dear_full.block_sizes and c.refresh_rows == "all"}
     assert set(runs) == {2, 8} and runs[8].expected_seconds < runs[2].expected_seconds  # every pair at both
     planned = blockbatch_generate(dlm, prompt, G, plan=dear_full)
-    assert planned.forwards == blockbatch_generate(dlm, prompt, G, dear_full.block_sizes, refresh_tokens=8).forwards
-    for options in (dict(blockbatch_plan=dear_full), dict(block_sizes=dear_full.block_sizes, refresh_tokens=8)):
+    rows = dear_full.refresh_rows
+    assert planned.forwards == blockbatch_generate(dlm, prompt, G, dear_full.block_sizes, refresh_tokens=8,
+                                                   refresh_rows=rows).forwards
+    for options in (dict(blockbatch_plan=dear_full),
+                    dict(block_sizes=dear_full.block_sizes, refresh_tokens=8, refresh_rows=rows)):
         stats = []  # through generate(): the plan's interval, or the one given
         dlm.model.generate(prompt, max_new_tokens=G, do_sample=False, custom_generate=dllm_generate,
                            dllm_method="blockbatch", dllm_stats=stats, **options)
@@ -303,9 +358,9 @@ def test_a_tie_in_seconds_goes_to_the_fewer_forwards():
     """Pairs priced within `tie` of the cheapest are a tie, decided by NFE; with tie=0 the cheapest wins."""
     priced = {(2, 4): (1.00, 10.0), (2, 8): (1.01, 6.0), (4, 8): (1.30, 6.0)}
 
-    def evaluate(combo, refresh=32):
+    def evaluate(combo, refresh=32, rows="all"):  # a leader refresh: priced the same, so not taken
         seconds, nfe = priced.get(combo, (2.0, 12.0) if len(combo) > 1 else (1.5, 16.0))
-        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh)
+        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh, 0.0, rows)
 
     def choose(tie):
         return _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, tie, lambda c: True, lambda c: "")[0].block_sizes
