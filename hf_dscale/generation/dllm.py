@@ -15,10 +15,9 @@ the region holds an EOS with no mask before it (or has no mask left); the answer
   sync (a branch more than 8 tokens behind copies the leader's row and cache row, keeping its own
   block grid) and a periodic full refresh (one batched full forward once any branch advanced 32
   tokens since the last refresh; a plan may choose 64). This is the paper's periodic
-  ("original_bulk") variant; a plan may also have a refresh run the leader's row alone, which every branch then
-  takes, as at the start (`refresh_rows="leader"`: one row's full forward). A batched block forward runs only the
-  branches' real window positions, packed (the paper's varlen packing): windows of 16 and 32 cost 48 queries, not
-  2 x 32.
+  ("original_bulk") variant; `refresh_rows="leader"` has a refresh run the leader's row alone, which every branch
+  then takes, as at the start (one row's full forward). A batched block forward runs only the branches' real window
+  positions, packed (the paper's varlen packing): windows of 16 and 32 cost 48 queries, not 2 x 32.
 
 A batched forward is not free where compute, not launches, bounds a step (a CPU, or a GPU at large batch), so
 which branches pay for themselves is measured, not assumed: `plan_blockbatch` prices each forward shape the model
@@ -671,9 +670,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
     (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
     then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
-    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Last, the
-    chosen set with refreshes of the leader's row alone (`refresh_rows="leader"`), taken if it qualifies and is any
-    cheaper: it saves a known cost, the other rows of each refresh. Within a
+    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Within a
     step, sets priced within `tie` of the cheapest are a tie, which the fewer forwards decide (NFE on the calibration
     prompts is exact; a difference of a percent or two in seconds is not). A set qualifies only if at
     least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
@@ -778,10 +775,8 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
             shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
     """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
     refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds (within
-    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not); last, the
-    chosen set with its refreshes running the leader's row alone, taken if it qualifies and is any cheaper (it saves
-    a known cost, the other rows of each refresh, where its decisions stay close). `evaluate(block_sizes, refresh,
-    rows="all")`. Returns the chosen set and the steps that led to it, in words."""
+    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not).
+    `evaluate(block_sizes, refresh)`. Returns the chosen set and the steps that led to it, in words."""
 
     seen: list[CandidateCost] = []
 
@@ -824,14 +819,6 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
         else:
             steps.append(f"{_name(current)} {shortfall(current)}: the reference set")
             current = evaluate(sizes)
-    if len(current.block_sizes) > 1 and current.refresh_tokens is not None:  # a refresh of the leader's row alone
-        lead = evaluate(current.block_sizes, current.refresh_tokens, "leader")
-        move = f"-> {_name(lead)} {lead.expected_seconds * 1e3:.2f} ms"
-        if qualifies(lead) and lead.expected_seconds < current.expected_seconds:
-            steps.append(f"{move}: saves {100 * (1 - lead.expected_seconds / current.expected_seconds):.1f}%")
-            current = lead
-        else:
-            steps.append(f"{move}: " + (shortfall(lead) if not qualifies(lead) else "no cheaper") + "; keep")
     return current, steps
 
 

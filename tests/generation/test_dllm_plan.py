@@ -280,25 +280,26 @@ def test_a_leader_refresh_runs_one_row_that_every_branch_takes():
         blockbatch_generate(dlm, prompt, G, (2, 4, 8), refresh_rows="some")
 
 
-def test_plan_takes_the_leader_refresh_where_it_qualifies_and_is_cheaper():
-    """The plan's last step: the chosen set with refreshes of the leader's row alone, taken where full forwards cost
-    per row and its answers qualify, kept out where they do not; the choice travels in the plan and its JSON."""
+def test_a_plan_carries_its_refresh_rows_into_decoding_and_json():
+    """A plan's refresh_rows (the paper's "all" unless set: `dataclasses.replace(plan, refresh_rows="leader")`) is
+    what `blockbatch_generate(plan=)` and `generate(blockbatch_plan=)` run, and survives the plan's JSON."""
+    import dataclasses
+
     dlm = DiffusionModel(tiny_dlm(seed=3))
     prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
     per_row = lambda kind, queries: 20.0 * len(queries) if kind == "full" else 1.0  # noqa: E731
     plan = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2,),
                            step_seconds=per_row, agree=lambda a, b: True)
-    tried = {c.refresh_rows: c for c in plan.candidates if c.block_sizes == plan.block_sizes}
-    assert set(tried) == {"all", "leader"}  # the refreshes here run several rows (20 each) where a leader's runs one
-    assert tried["leader"].expected_seconds < tried["all"].expected_seconds
-    assert plan.refresh_rows == "leader" and "/leader" in plan.reason
-    assert blockbatch_generate(dlm, prompt, G, plan=plan).forwards == blockbatch_generate(
-        dlm, prompt, G, plan.block_sizes, refresh_tokens=2, refresh_rows="leader").forwards
-    assert BlockBatchPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).refresh_rows == plan.refresh_rows
-    leader_only = lambda a, b: False  # noqa: E731  (nothing agrees with the reference: no set qualifies but it)
-    kept = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2,),
-                           step_seconds=per_row, agree=leader_only)
-    assert kept.refresh_rows == "all" and "/leader" in kept.reason and "; keep" in kept.reason
+    assert plan.refresh_rows == "all"
+    leader = dataclasses.replace(plan, refresh_rows="leader")
+    by_hand = blockbatch_generate(dlm, prompt, G, plan.block_sizes, refresh_tokens=2, refresh_rows="leader")
+    assert blockbatch_generate(dlm, prompt, G, plan=leader).forwards == by_hand.forwards
+    assert by_hand.forwards != blockbatch_generate(dlm, prompt, G, plan=plan).forwards  # the refreshes differ
+    stats = []
+    dlm.model.generate(prompt, max_new_tokens=G, do_sample=False, custom_generate=dllm_generate,
+                       dllm_method="blockbatch", dllm_stats=stats, blockbatch_plan=leader)
+    assert stats[0].forwards == by_hand.forwards
+    assert BlockBatchPlan.from_dict(json.loads(json.dumps(leader.to_dict()))).refresh_rows == "leader"
 
 
 def test_bench_both_reports_the_two_methods_side_by_side():
@@ -358,9 +359,9 @@ def test_a_tie_in_seconds_goes_to_the_fewer_forwards():
     """Pairs priced within `tie` of the cheapest are a tie, decided by NFE; with tie=0 the cheapest wins."""
     priced = {(2, 4): (1.00, 10.0), (2, 8): (1.01, 6.0), (4, 8): (1.30, 6.0)}
 
-    def evaluate(combo, refresh=32, rows="all"):  # a leader refresh: priced the same, so not taken
+    def evaluate(combo, refresh=32):
         seconds, nfe = priced.get(combo, (2.0, 12.0) if len(combo) > 1 else (1.5, 16.0))
-        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh, 0.0, rows)
+        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh)
 
     def choose(tie):
         return _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, tie, lambda c: True, lambda c: "")[0].block_sizes
