@@ -49,8 +49,8 @@ def add_parser(sub) -> None:
     b.add_argument("--refresh-tokens", type=int, default=32,
                    help="BlockBatch's refresh interval with --block-sizes (a plan chooses its own)")
     b.add_argument("--refresh-rows", choices=("all", "leader"), default="all",
-                   help="what BlockBatch's refresh runs with --block-sizes: every branch's row (the paper's) or the "
-                   "leader's alone, which every branch then takes (a plan chooses its own)")
+                   help="what BlockBatch's refresh runs with --block-sizes: every branch's row (the paper's, and a "
+                   "planned run's) or the leader's alone, which every branch then takes")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--json", default=None)
