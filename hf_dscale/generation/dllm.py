@@ -334,6 +334,11 @@ def _merge(state: _Branches, gate: float) -> tuple[int, dict[int, int]]:
     return sum(adopted), dict(zip(live, counts))
 
 
+def leader_of(live: list[int], counts: dict[int, int]) -> int:
+    """The leading branch among `live`: the most tokens decoded (`counts`), ties to the first (the smallest block)."""
+    return max(live, key=lambda i: (counts[i], -i))
+
+
 def sync(state: _Branches, threshold: int, counts: dict[int, int] | None = None) -> int:
     """Branches more than `threshold` tokens behind the leader copy it; returns how many did. `counts`: the live
     branches' decoded tokens when the caller has them (`_merge`'s)."""
@@ -342,7 +347,7 @@ def sync(state: _Branches, threshold: int, counts: dict[int, int] | None = None)
         return 0
     if counts is None:
         counts = dict(zip(live, state.decoded(live)))
-    leader = max(live, key=lambda i: (counts[i], -i))
+    leader = leader_of(live, counts)
     behind = [i for i in live if i != leader and counts[leader] - counts[i] > threshold]
     if behind:
         first = state.progress([leader])[0][0]
@@ -409,13 +414,12 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         live = state.live()
         flagged = refresh_tokens is not None and any(state.since_refresh[i] >= refresh_tokens for i in live)
         w = state.windows(live)
-        if flagged and not force_block and refresh_rows == "leader" and len(live) > 1:
-            counts = state.decoded(live)
-            leader = live[max(range(len(live)), key=lambda k: (counts[k], -k))]  # sync's leader
-            state.x[live] = state.x[leader].clone()  # every branch refreshes from the leader's row: one row to run
-            state.snap(*live)  # each on its own grid
-            w = state.windows(live)
         if flagged and not force_block:
+            if refresh_rows == "leader" and len(live) > 1:
+                leader = leader_of(live, dict(zip(live, state.decoded(live))))
+                state.x[live] = state.x[leader].clone()  # every branch refreshes from the leader's row: one row
+                state.snap(*live)  # each on its own grid
+                w = state.windows(live)
             # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
             distinct, of_row = torch.unique(state.x[w.rows], dim=0, return_inverse=True)  # [U, L], [R]
             fresh = model.new_cache()

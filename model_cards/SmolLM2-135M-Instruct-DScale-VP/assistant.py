@@ -300,7 +300,8 @@ class DScaleCandidateGenerator(CandidateGenerator):
         # Held weakly: the copy belongs to transformers' assisted generator and is freed when its generate() ends.
         self._generation_config = None if generation_config is None else weakref.ref(generation_config)
         self.do_sample = bool(getattr(generation_config, "do_sample", False))
-        self.eos = eos_ids(generation_config)  # [E] or None: a block is proposed up to its first EOS, included
+        # [E] or None, on the drafter's device: a block is proposed up to its first EOS, included
+        self.eos = eos_ids(generation_config, drafter.norm.weight.device)
         self.logits_processor = logits_processor
         self.draft_seconds, self.blocks = 0.0, 0  # drafting time per block: the throughput cut's overhead
         self.recorder = TapRecorder(drafter.target, drafter.config.target_layer_ids)
@@ -357,7 +358,7 @@ class DScaleCandidateGenerator(CandidateGenerator):
             if compact:
                 tokens, scores = self.vocab.ids[tokens], self.vocab.spread(scores)
             if self.eos is not None:  # nothing after an EOS: some transformers keep every accepted token
-                ends = torch.isin(tokens[0], self.eos.to(tokens.device)).nonzero()
+                ends = torch.isin(tokens[0], self.eos).nonzero()
                 if ends.numel():
                     n = int(ends[0, 0]) + 1
                     tokens, scores = tokens[:, :n], scores[:, :n]
@@ -374,12 +375,12 @@ class DScaleCandidateGenerator(CandidateGenerator):
         self.recorder.remove()
 
 
-def eos_ids(generation_config) -> torch.Tensor | None:
-    """The generation config's EOS ids as a tensor [E], or None when it has none."""
+def eos_ids(generation_config, device=None) -> torch.Tensor | None:
+    """The generation config's EOS ids as a tensor [E] on `device`, or None when it has none."""
     eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         return None
-    eos = torch.as_tensor(eos, dtype=torch.long).flatten()
+    eos = torch.as_tensor(eos, dtype=torch.long, device=device).flatten()
     return eos if eos.numel() else None
 
 

@@ -326,8 +326,8 @@ def test_bench_both_reports_the_two_methods_side_by_side():
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
     assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "refresh_rows": "all", "nfe": 2.5,
-                           "expected_seconds": 0.01,
-                           "host_seconds": 0.0, "measured_seconds": 0.012, "agreement": 1.0, "correct": None}
+                           "expected_seconds": 0.01, "host_seconds": 0.0, "measured_seconds": 0.012,
+                           "agreement": 1.0, "correct": None}
 
 
 def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():

@@ -102,7 +102,7 @@ def test_assistant_blocks_running_past_eos_stop_at_it(family):
     assert torch.equal(plain, target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False))
 
 
-def test_assistant_model_refuses_stops_it_cannot_check_before_generating(monkeypatch):
+def test_assistant_model_refuses_stops_it_cannot_check_before_generating():
     """transformers' assisted loop checks the stopping criteria once a block: a stop string or a criterion of the
     user's own is refused with a clear error before the target runs; length, time and EOS criteria are fine."""
     from transformers import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
