@@ -469,7 +469,10 @@ def _dllm_summary(totals: dict, n: int) -> dict:
             "seconds_per_answer": round(totals["seconds"] / n, 5),
             "ms_per_nfe": round(1000 * totals["seconds"] / max(1, totals["nfe"]), 3),
             "answer_tokens": round(totals["tokens"] / n, 2),
-            "query_tokens_per_nfe": round(totals["queries"] / max(1, totals["nfe"]), 2)}
+            "query_tokens_per_nfe": round(totals["queries"] / max(1, totals["nfe"]), 2),
+            "ms_per_full_forward": round(1000 * totals["full_s"] / max(1, totals["full"]), 4),
+            "ms_per_block_forward": round(1000 * totals["block_s"] / max(1, totals["block"]), 4),
+            "host_seconds_per_answer": round(totals["host_s"] / n, 6)}
 
 
 @torch.no_grad()
@@ -482,18 +485,24 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
 
     "both" interleaves the two methods problem by problem (which goes first alternates), so that a change in the
     machine's speed during the run falls on both alike, and adds their ratios and the share of identical answers.
+    Each method's model calls are timed as they run (`ms_per_full_forward`, `ms_per_block_forward`; the rest of an
+    answer's time is `host_seconds_per_answer`), which gives the ratios `block_step` (what a BlockBatch block step,
+    all its branches' windows in one forward, costs against a Fast-dLLM one) and `block_step_to_tie` (what it could
+    cost, with everything else as measured, for BlockBatch's time per answer to equal Fast-dLLM's): BlockBatch is
+    the faster where the first is below the second.
     """
-    from .generation.dllm import blockbatch_generate, fast_dllm_generate
+    from .generation.dllm import TimedModel, blockbatch_generate, fast_dllm_generate
     from .training.dllm_tasks import final_answer
     from .training.dllm_trainer import encode
 
     if method not in (*DLLM_METHODS, "both"):
         raise ValueError(f"method must be fast-dllm, blockbatch or both, got {method!r}.")
     methods = DLLM_METHODS if method == "both" else (method,)
-    run = {"fast-dllm": lambda q: fast_dllm_generate(model, q, gen_length, block_size, threshold),
-           "blockbatch": lambda q: blockbatch_generate(model, q, gen_length, block_sizes, threshold,
-                                                       refresh_tokens=refresh_tokens, refresh_rows=refresh_rows)}
     device = next(model.model.parameters()).device
+    timed = {m: TimedModel(model, time.perf_counter, device) for m in methods}
+    run = {"fast-dllm": lambda q: fast_dllm_generate(timed["fast-dllm"], q, gen_length, block_size, threshold),
+           "blockbatch": lambda q: blockbatch_generate(timed["blockbatch"], q, gen_length, block_sizes, threshold,
+                                                       refresh_tokens=refresh_tokens, refresh_rows=refresh_rows)}
     totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)
               for m in methods}
     same = 0
@@ -513,6 +522,9 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
         if on_problem is not None:
             on_problem(i)
     n = max(1, len(problems))
+    for m in methods:
+        (_, totals[m]["full_s"]), (_, totals[m]["block_s"]) = timed[m].calls["full"], timed[m].calls["block"]
+        totals[m]["host_s"] = totals[m]["seconds"] - timed[m].seconds
     if method != "both":
         return {"method": method, "n_prompts": len(problems), **_dllm_summary(totals[method], n)}
     ff, bb = totals["fast-dllm"], totals["blockbatch"]
@@ -521,4 +533,16 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
             "blockbatch_vs_fast_dllm": {
                 "nfe": round(bb["nfe"] / max(1, ff["nfe"]), 4),
                 "seconds_per_answer": round(bb["seconds"] / max(ff["seconds"], 1e-9), 4),
-                "accuracy_points": round(100 * (bb["correct"] - ff["correct"]) / n, 2)}}
+                "accuracy_points": round(100 * (bb["correct"] - ff["correct"]) / n, 2),
+                **_block_steps(ff, bb)}}
+
+
+def _block_steps(ff: dict, bb: dict) -> dict:
+    """`bench_dllm`'s `block_step` and `block_step_to_tie` from Fast-dLLM's (ff) and BlockBatch's (bb) totals: a
+    BlockBatch block step against a Fast-dLLM one, as measured, and the most it could cost for BlockBatch's time to
+    equal Fast-dLLM's (its full forwards and host time as measured). None where a method ran no block step."""
+    if not ff["block"] or not bb["block"] or ff["block_s"] <= 0:
+        return {"block_step": None, "block_step_to_tie": None}
+    single = ff["block_s"] / ff["block"]
+    tie = (ff["seconds"] - bb["full_s"] - bb["host_s"]) / bb["block"]
+    return {"block_step": round(bb["block_s"] / bb["block"] / single, 4), "block_step_to_tie": round(tie / single, 4)}

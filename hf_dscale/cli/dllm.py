@@ -155,8 +155,24 @@ def bench_main(args) -> int:
                               min_branches=args.min_branches)
     report.update(command=args.command_line, model=args.model, task=task, seed=args.seed, gen_length=gen_length,
                   device=str(device), dtype=str(dtype), machine=describe_machine(device))
+    if args.method == "both":
+        print(_describe_both(report), file=sys.stderr)
     emit_report(report, args.json)
     return 0
+
+
+def _describe_both(report: dict) -> str:
+    """`bench-dllm --method both` in words: the ratios, and whether a BlockBatch step is cheap enough to pay."""
+    r, ff, bb = report["blockbatch_vs_fast_dllm"], report["fast-dllm"], report["blockbatch"]
+    text = (f"BlockBatch / Fast-dLLM on {report['n_prompts']} problems: NFE {r['nfe']:.3f}x, time per answer "
+            f"{r['seconds_per_answer']:.3f}x, accuracy {r['accuracy_points']:+.1f} points "
+            f"({100 * bb['accuracy']:.1f}% against {100 * ff['accuracy']:.1f}%)")
+    if r["block_step"] is not None:
+        text += (f"\n  a BlockBatch block step ({bb['ms_per_block_forward']:.2f} ms) costs {r['block_step']:.2f}x a "
+                 f"Fast-dLLM one ({ff['ms_per_block_forward']:.2f} ms); BlockBatch would tie at "
+                 f"{r['block_step_to_tie']:.2f}x (host time per answer {1e3 * bb['host_seconds_per_answer']:.1f} "
+                 f"ms against {1e3 * ff['host_seconds_per_answer']:.1f} ms)")
+    return text
 
 
 def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):

@@ -588,28 +588,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Timed:
-    """A DiffusionModel whose calls' time on `clock` adds up in `seconds`: what a decode spends outside them is its
-    host time (commits, stopping checks, BlockBatch's merge and sync)."""
+class TimedModel:
+    """A DiffusionModel whose calls' time on `clock` adds up in `seconds`, and per kind of call in `calls` ({"full":
+    [count, seconds], "block": [...]}): what a decode spends outside them is its host time (commits, stopping checks,
+    BlockBatch's merge and sync)."""
 
     def __init__(self, model: DiffusionModel, clock: Callable[[], float], device: torch.device):
         self.model, self.clock, self.device, self.seconds = model, clock, device, 0.0
+        self.calls = {"full": [0, 0.0], "block": [0, 0.0]}
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def full(self, *args, **kwargs):
-        return self._timed(self.model.full, args, kwargs)
+        return self._timed("full", args, kwargs)
 
     def block(self, *args, **kwargs):
-        return self._timed(self.model.block, args, kwargs)
+        return self._timed("block", args, kwargs)
 
-    def _timed(self, call, args, kwargs):
+    def _timed(self, kind: str, args, kwargs):
         _sync(self.device)
         start = self.clock()
-        out = call(*args, **kwargs)
+        out = getattr(self.model, kind)(*args, **kwargs)
         _sync(self.device)
-        self.seconds += self.clock() - start
+        seconds = self.clock() - start
+        self.seconds += seconds
+        self.calls[kind][0] += 1
+        self.calls[kind][1] += seconds
         return out
 
 
@@ -721,7 +726,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult],
                 rows: str = "all") -> CandidateCost:
         results, wall = [], 0.0
-        timed = _Timed(model, clock, prompts[0].device) if price_host else None  # only where host time is priced
+        timed = TimedModel(model, clock, prompts[0].device) if price_host else None  # only where host time is priced
         for q in prompts:
             _sync(q.device)
             start = clock()

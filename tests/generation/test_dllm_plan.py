@@ -321,6 +321,15 @@ def test_bench_both_reports_the_two_methods_side_by_side():
     assert ratios["nfe"] == pytest.approx(bb["nfe"] / ff["nfe"], abs=1e-3)
     assert ratios["seconds_per_answer"] == pytest.approx(bb["seconds_per_answer"] / ff["seconds_per_answer"], rel=0.01)
     assert ratios["accuracy_points"] == pytest.approx(100 * (bb["accuracy"] - ff["accuracy"]))
+    for m in (ff, bb):  # an answer's time: its full forwards, its block forwards and the host time between them
+        model_s = (m["nfe_full"] * m["ms_per_full_forward"] + m["nfe_block"] * m["ms_per_block_forward"]) / 1000
+        assert 0 < m["host_seconds_per_answer"] < m["seconds_per_answer"]
+        assert model_s + m["host_seconds_per_answer"] == pytest.approx(m["seconds_per_answer"], abs=3e-5)  # rounding
+    assert ratios["block_step"] == pytest.approx(bb["ms_per_block_forward"] / ff["ms_per_block_forward"], rel=1e-3)
+    # at block_step_to_tie, BlockBatch's time per answer is Fast-dLLM's
+    step = ratios["block_step_to_tie"] * ff["ms_per_block_forward"] / 1000
+    tied = bb["nfe_full"] * bb["ms_per_full_forward"] / 1000 + bb["nfe_block"] * step + bb["host_seconds_per_answer"]
+    assert tied == pytest.approx(ff["seconds_per_answer"], abs=3e-5)
 
 
 def test_candidate_costs_serialise():
