@@ -557,10 +557,23 @@ class BlockBatchPlan:
                 out[kind][str(len(queries)) if kind == "full" else "+".join(map(str, queries))] = ratio
         return out
 
+    @property
+    def expected_vs_fast_dllm(self) -> float | None:
+        """The chosen set's expected seconds per answer against Fast-dLLM's on the same calibration prompts (above 1:
+        BlockBatch is expected to be the slower on this device), or None where the plan had no `check` and so no
+        baseline."""
+        if self.baseline is None or self.baseline.expected_seconds <= 0:
+            return None
+        chosen = next((c for c in self.candidates if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
+                       == (self.block_sizes, self.refresh_tokens, self.refresh_rows)), None)
+        return None if chosen is None else chosen.expected_seconds / self.baseline.expected_seconds
+
     def to_dict(self) -> dict:
+        ratio = self.expected_vs_fast_dllm
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
                 "refresh_rows": self.refresh_rows, "gen_length": self.gen_length, "seq_len": self.seq_len,
                 "reason": self.reason,
+                "expected_vs_fast_dllm": None if ratio is None else round(ratio, 4),
                 "batched_vs_single": self.batched_vs_single,
                 "step_costs": [{"kind": k, "rows": len(q), "queries": list(q), "seconds": round(s, 6)}
                                for k, q, s in self.step_costs],
@@ -773,6 +786,12 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
                  f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
                  f"(NFE {reference.nfe:.2f})")
+    if baseline is not None and baseline.expected_seconds > 0:
+        ratio = chosen.expected_seconds / baseline.expected_seconds
+        steps.append(f"Fast-dLLM (block {baseline_block_size}) {baseline.expected_seconds * 1e3:.2f} ms (NFE "
+                     f"{baseline.nfe:.2f}): {_name(chosen)} is expected at {ratio:.2f}x its time" + (
+                         "" if ratio < 1 else ", so on this device its branches are not expected to pay for their "
+                         "steps"))
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
                           step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced, key=_shape_order)),
                           candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline,

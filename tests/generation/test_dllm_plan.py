@@ -118,8 +118,25 @@ def test_with_known_answers_a_set_must_answer_as_many_right_as_fast_dllm():
     assert any(c.correct == 0.0 for c in plan.candidates)  # the wide set was tried and answered wrongly
     report = json.loads(json.dumps(plan.to_dict()))
     assert BlockBatchPlan.from_dict(report).to_dict() == report and report["baseline"]["correct"] == 1.0
+    # the plan says how the chosen set compares with Fast-dLLM on the same prompts
+    assert plan.expected_vs_fast_dllm == pytest.approx(chosen.expected_seconds / plan.baseline.expected_seconds)
+    assert report["expected_vs_fast_dllm"] == pytest.approx(plan.expected_vs_fast_dllm, abs=1e-4)
+    assert f"Fast-dLLM (block 8) {plan.baseline.expected_seconds * 1e3:.2f} ms" in plan.reason
     with pytest.raises(ValueError, match="baseline_block_size"):
         plan_blockbatch(WrongWhenWide(), [PROMPT], G, (4, 8), check=right, baseline_block_size=5, **cheap_wide)
+
+
+def test_the_plan_says_whether_its_branches_are_expected_to_beat_fast_dllm():
+    """Against Fast-dLLM on the same prompts: where a batched forward costs what one window does (a GPU's launches),
+    fewer forwards are less time and the branches pay; where every query costs its share (compute-bound), the same
+    branches cost more than the forwards they save, and the plan says so."""
+    right = lambda i, seq: True  # noqa: E731
+    free = plan_blockbatch(_Climbing(), [PROMPT], G, (4, 8, 16), check=right, baseline_block_size=8,
+                           step_seconds=lambda kind, queries: 1.0)
+    assert free.baseline.nfe == 16 and free.expected_vs_fast_dllm < 1 and "not expected to pay" not in free.reason
+    per_query = plan_blockbatch(_Climbing(), [PROMPT], G, (4, 8, 16), check=right, baseline_block_size=8,
+                                step_seconds=lambda kind, queries: float(sum(queries)))
+    assert per_query.expected_vs_fast_dllm > 1 and "not expected to pay" in per_query.reason
 
 
 class _Clocked:
