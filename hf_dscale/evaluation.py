@@ -489,7 +489,8 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
     answer's time is `host_seconds_per_answer`), which gives the ratios `block_step` (what a BlockBatch block step,
     all its branches' windows in one forward, costs against a Fast-dLLM one) and `block_step_to_tie` (what it could
     cost, with everything else as measured, for BlockBatch's time per answer to equal Fast-dLLM's): BlockBatch is
-    the faster where the first is below the second.
+    the faster where the first is below the second. On a GPU each call is synchronised before and after, so that its
+    time is its own (both decoders read the device after every step anyway).
     """
     from .generation.dllm import TimedModel, blockbatch_generate, fast_dllm_generate
     from .training.dllm_tasks import final_answer
