@@ -129,21 +129,23 @@ def answer_end(row: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | N
     return scan(row[None], prompt_len, mask_id, eos_id)[0][1]
 
 
-def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple[int | None, int | None]]:
+def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None, counts: bool = False) -> list[tuple]:
     """(first masked offset in the generation region, the answer's end) of each row of x [R, L], each None when there
-    is none (no mask left; the stopping rule has not decided), with one read."""
+    is none (no mask left; the stopping rule has not decided), with one read; `counts`: and the tokens decoded in the
+    region, in the same read."""
     region = x[:, prompt_len:]
     masked = region == mask_id
     stop = masked if eos_id is None else masked | (region == eos_id)
     where = torch.stack((masked.int().argmax(-1), stop.int().argmax(-1)), 1)  # first mask, first mask-or-EOS
-    facts = torch.cat((where, region.gather(1, where)), 1).tolist()  # and the tokens there
+    facts = (where, region.gather(1, where)) + ((masked.sum(-1, keepdim=True),) if counts else ())
     out = []
-    for first, stop_at, at_first, at_stop in facts:
+    for first, stop_at, at_first, at_stop, *left in torch.cat(facts, 1).tolist():  # and the tokens there
         first = first if at_first == mask_id else None
         if eos_id is not None and at_stop == eos_id:  # an EOS with no mask before it
-            out.append((first, prompt_len + stop_at + 1))
+            end = prompt_len + stop_at + 1
         else:  # complete without an EOS: the whole region
-            out.append((first, x.shape[1] if first is None else None))
+            end = x.shape[1] if first is None else None
+        out.append((first, end, region.shape[1] - left[0]) if counts else (first, end))
     return out
 
 
@@ -215,13 +217,15 @@ class _Branches:
     """BlockBatch state: rows x [N, L], one cache row and one probability map per branch.
 
     The probability map keeps, per position, the most likely token and its probability (`best`, `prob`) and the
-    EOS probability (`eos`), each zero at or below the floor. That decides the merge exactly for a gate of 0.5 or
-    more (a token above 0.5 is the most likely one) at a vocabulary-independent size, and gives the winner's EOS
-    probability. Window starts, refresh counters and done flags live on the host, updated from one read per stage.
+    EOS probability (`eos`). That decides the merge exactly for a gate of 0.5 or more (a token above 0.5 is the most
+    likely one) at a vocabulary-independent size, and gives the winner's EOS probability. The paper's map holds only
+    probabilities above `floor`: the merge and the winner's choice read it so (`believed`). Window starts, refresh
+    counters and done flags live on the host, updated from one read per stage.
     """
 
-    def __init__(self, model: DiffusionModel, x: torch.Tensor, prompt_len: int, sizes: list[int]):
-        self.model, self.x, self.p, self.sizes = model, x, prompt_len, sizes
+    def __init__(self, model: DiffusionModel, x: torch.Tensor, prompt_len: int, sizes: list[int],
+                 floor: float = 0.0):
+        self.model, self.x, self.p, self.sizes, self.floor = model, x, prompt_len, sizes, floor
         n, length = x.shape
         self.start = [prompt_len] * n  # window start per branch
         self.since_refresh = [0] * n
@@ -231,6 +235,19 @@ class _Branches:
         self.best = torch.zeros(n, length, dtype=torch.long, device=x.device)
         self.cache = model.new_cache()
         self._windows = None  # (key, Windows) of the last `windows` call
+        self._after: dict = {}  # the merge's [dst, src] "src ranks after dst", per order of the live branches
+
+    def believed(self, p: float) -> float:
+        """A stored probability as the paper's map holds it: 0 at or below the floor."""
+        return p if p > self.floor else 0.0
+
+    def after(self, live: list[int], order: list[int]) -> torch.Tensor:
+        """[dst, src] over `live`: src comes after dst in `order` (the merge's sources of each destination)."""
+        key = tuple(live), tuple(order)
+        if key not in self._after:
+            rank = {i: k for k, i in enumerate(order)}
+            self._after[key] = torch.tensor([[rank[s] > rank[d] for s in live] for d in live], device=self.x.device)
+        return self._after[key]
 
     def live(self) -> list[int]:
         return [i for i in range(len(self.sizes)) if not self.done[i]]
@@ -295,43 +312,50 @@ class _Branches:
         self.place([dst], [first])
 
 
-def _progress(region: torch.Tensor, mask_id: int, *extra: torch.Tensor) -> tuple[list, ...]:
-    """(first mask offset or None, tokens decoded) of each row of region [R, G], then the `extra` [R] tensors, with one
-    read."""
+def _progress(region: torch.Tensor, mask_id: int) -> tuple[list, list]:
+    """(first mask offset or None, tokens decoded) of each row of region [R, G], with one read."""
     masked = (region == mask_id).int()
-    first, left, *rest = torch.stack((masked.argmax(-1), masked.sum(-1), *extra)).tolist()
-    return ([f if n else None for f, n in zip(first, left)], [region.shape[1] - n for n in left], *rest)
+    first, left = torch.stack((masked.argmax(-1), masked.sum(-1))).tolist()
+    return [f if n else None for f, n in zip(first, left)], [region.shape[1] - n for n in left]
 
 
 def merge(state: _Branches, gate: float) -> int:
     """Confidence-gated merge; returns the number of tokens adopted."""
-    return _merge(state, gate)[0]
+    live = state.live()
+    return _merge(state, gate, dict(zip(live, state.decoded(live))))[0]
 
 
-def _merge(state: _Branches, gate: float) -> tuple[int, dict[int, int]]:
+def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, dict[int, int]]:
     """Every live branch (dst) adopts, at each of its masked positions where its own probability for its most likely
     token is > gate, that token if a source offers it: a branch whose window ends earlier (or as early and comes
     later), which agrees with dst wherever both are decoded, and holds the token in its window. Every branch reads
-    the rows as they were before the merge, so all adopt in one pass. Returns (tokens adopted, decoded count per
-    live branch after the merge)."""
+    the rows as they were before the merge, so all adopt in one pass. `counts`: the live branches' decoded tokens
+    before it. Returns (tokens adopted, decoded count per live branch after the merge)."""
     live, mask_id = state.live(), state.model.mask_token_id
     if len(live) < 2:
-        return 0, dict(zip(live, state.decoded(live)))
+        return 0, counts
     order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
-    rank = {i: k for k, i in enumerate(order)}
-    after = torch.tensor([[rank[s] > rank[d] for s in live] for d in live], device=state.x.device)  # [dst, src]
+    after = state.after(live, order)  # [dst, src]
     rows, cover = state.windows(live).rows, state.cover(live)
-    x, best = state.x[rows], state.best[rows]  # [R, L]
+    everyone = len(live) == len(state.sizes)  # the usual case: the state's own tensors, no gathering
+    x, best, prob = (state.x, state.best, state.prob) if everyone else (state.x[rows], state.best[rows],
+                                                                        state.prob[rows])  # [R, L]
     decoded = x != mask_id
     clash = ((x[:, None] != x[None]) & decoded[:, None] & decoded[None]).any(-1)  # [dst, src]
     # a source offers dst's most likely token in its window (best is never the mask: a match is a decoded token)
     offered = ((after & ~clash)[:, :, None] & cover[None] & (x[None] == best[:, None])).any(1)  # [dst, L]
-    take = offered & ~decoded & (state.prob[rows] > gate)
+    take = offered & ~decoded & (prob > max(gate, state.floor))
+    adopted = take.sum(-1).tolist()
+    if not any(adopted):  # most steps: nothing moves
+        return 0, counts
     merged = torch.where(take, best, x)
-    state.x[rows] = merged
-    first, counts, adopted = _progress(merged[:, state.p :], mask_id, take.sum(-1))
+    if everyone:
+        state.x.copy_(merged)
+    else:
+        state.x[rows] = merged
+    first, after_merge = _progress(merged[:, state.p :], mask_id)
     state.place(live, first)
-    return sum(adopted), dict(zip(live, counts))
+    return sum(adopted), dict(zip(live, after_merge))
 
 
 def leader_of(live: list[int], counts: dict[int, int]) -> int:
@@ -392,7 +416,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         raise ValueError(f"gen_length {gen_length} must be a multiple of every block size; not of {bad}.")
     x1 = _start(model, prompt, gen_length)
     p, mask_id, eos, n, length = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes), x1.shape[1]
-    state = _Branches(model, x1.expand(n, -1).clone(), p, sizes)
+    state = _Branches(model, x1.expand(n, -1).clone(), p, sizes, prob_floor)
     result = DLLMResult(sequence=x1[0])
 
     # init: one full forward of the prompt row, shared by every branch (1 NFE)
@@ -402,7 +426,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if state.cache is not None:
         state.cache.expand(n)
     every = state.windows(list(range(n)))
-    state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos))  # 1 row
+    state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), eos))  # 1 row
     conf, tokens, _ = confidences(logits[0, every.targets], mask_id)  # [n, Q] twice
     commit_windows(state.x, every, conf, tokens, mask_id, threshold)
     state.snap(*range(n))
@@ -429,7 +453,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            beliefs = _beliefs(*confidences(logits, mask_id, torch.float32), prob_floor, eos)  # [U, L] each
+            beliefs = _beliefs(*confidences(logits, mask_id, torch.float32), eos)  # [U, L] each
             state.remember(w.rows, (beliefs[0][:, of_row], beliefs[1][of_row]))
             for i in live:
                 state.since_refresh[i] = 0
@@ -446,18 +470,18 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
             conf, tokens, probs = confidences(logits, mask_id)  # [R, Q]: the commit's and the beliefs'
-            state.remember(w.rows, _beliefs(conf, tokens, probs, prob_floor, eos, w.real), w.at)
+            state.remember(w.rows, _beliefs(conf, tokens, probs, eos, w.real), w.at)
         commit_windows(state.x, w, conf, tokens, mask_id, threshold)
         force_block = False
-        first, ends = zip(*scan(state.x[w.rows], p, mask_id, eos))
+        first, ends, decoded = zip(*scan(state.x if len(live) == n else state.x[w.rows], p, mask_id, eos, True))
         if stop_early and any(e is not None for e in ends):
             ready = [(i, e) for i, e in zip(live, ends) if e is not None]
-            eos_p = state.eos[[i for i, _ in ready], [e - 1 for _, e in ready]].tolist()
+            eos_p = [state.believed(e) for e in state.eos[[i for i, _ in ready], [e - 1 for _, e in ready]].tolist()]
             winner = ready[max(range(len(ready)), key=lambda k: eos_p[k])][0]
             break
         state.place(live, first)
         if exchange:
-            adopted, counts = _merge(state, merge_gate)
+            adopted, counts = _merge(state, merge_gate, dict(zip(live, decoded)))
             result.events["merged"] += adopted
             synced = sync(state, sync_threshold, counts)
             result.events["synced"] += synced
@@ -472,15 +496,15 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     return result
 
 
-def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, floor: float, eos: int | None,
+def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, eos: int | None,
              real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """((prob, eos) [2, ...] float32, best [...]) from `confidences`: the most likely token's probability and the
-    EOS probability, zeroed at or below `floor`, and the token's id; `real`: keep only these slots of the flattened
-    [...] (then [2, T] and [T])."""
+    EOS probability, and the token's id; `real`: keep only these slots of the flattened [...] (then [2, T] and
+    [T])."""
     both = torch.stack((conf, probs[..., eos] if eos is not None else torch.zeros_like(conf))).float()
     if real is not None:
         both, tokens = both.flatten(1)[:, real], tokens.flatten()[real]
-    return both.masked_fill(both <= floor, 0.0), tokens
+    return both, tokens
 
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:

@@ -253,10 +253,12 @@ def test_merge_adopts_only_confident_compatible_tokens():
     assert merge(state, gate=0.5) == 0
 
 
-def _merge_by_the_rule(x, starts, sizes, best, prob, gate):
-    """The merge as the paper states it, one destination and one source at a time (a reference for `merge`)."""
+def _merge_by_the_rule(x, starts, sizes, best, prob, gate, live=None):
+    """The merge as the paper states it, one destination and one source at a time, among the `live` branches (all
+    when None): a reference for `merge`."""
     x = x.clone()
-    order = sorted(range(len(sizes)), key=lambda i: starts[i] + sizes[i], reverse=True)
+    live = range(len(sizes)) if live is None else live
+    order = sorted(live, key=lambda i: starts[i] + sizes[i], reverse=True)
     before = x.clone()
     for rank, dst in enumerate(order):
         for pos in range(x.shape[1]):
@@ -274,7 +276,8 @@ def _merge_by_the_rule(x, starts, sizes, best, prob, gate):
 @pytest.mark.parametrize("seed", range(40))
 def test_merge_equals_the_rule_one_pair_at_a_time(seed):
     """The one-pass merge equals the rule applied destination by destination on random branch states (3-4 branches,
-    overlapping windows, compatible and clashing rows)."""
+    overlapping windows, compatible and clashing rows; in half of them a branch is done, and a probability floor
+    above the gate in a quarter: the paper's map holds no probability at or below it)."""
     g = torch.Generator().manual_seed(seed)
     n, length, p = int(torch.randint(3, 5, (1,), generator=g)), 18, 2
     truth = torch.randint(3, 8, (length,), generator=g)
@@ -289,8 +292,13 @@ def test_merge_equals_the_rule_one_pair_at_a_time(seed):
     state.start = [p + int(torch.randint(0, length - p - s + 1, (1,), generator=g)) for s in sizes]
     state.best[:] = torch.where(torch.rand(n, length, generator=g) < 0.8, truth, truth + 1)
     state.prob[:] = torch.rand(n, length, generator=g)
+    state.floor = 0.7 if seed % 4 == 3 else 0.1
+    if seed % 2:
+        state.done[int(torch.randint(0, n, (1,), generator=g))] = True
+    live = [i for i in range(n) if not state.done[i]]
     before = state.x.clone()
-    want = _merge_by_the_rule(before, state.start, sizes, state.best, state.prob, 0.5)
+    held = torch.where(state.prob > state.floor, state.prob, 0.0)  # the paper's map
+    want = _merge_by_the_rule(before, state.start, sizes, state.best, held, 0.5, live)
     adopted = merge(state, gate=0.5)
     assert torch.equal(state.x, want)
     assert adopted == int((want != before).sum())
