@@ -524,7 +524,7 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
             on_problem(i)
     n = max(1, len(problems))
     for m in methods:
-        (_, totals[m]["full_s"]), (_, totals[m]["block_s"]) = timed[m].calls["full"], timed[m].calls["block"]
+        totals[m]["full_s"], totals[m]["block_s"] = timed[m].seconds_of["full"], timed[m].seconds_of["block"]
         totals[m]["host_s"] = totals[m]["seconds"] - timed[m].seconds
     if method != "both":
         return {"method": method, "n_prompts": len(problems), **_dllm_summary(totals[method], n)}

@@ -208,10 +208,7 @@ def _describe_plan(plan, seconds: float) -> str:
     costs = ", ".join(f"{r} rows {1e3 * s:.1f} ms ({s / full[1]:.2f}x)" for r, s in sorted(full.items()))
     single = ", ".join(f"{q}: {1e3 * plan.seconds('block', (q,)):.1f} ms" for q in plan.candidates[0].block_sizes)
     chosen = "+".join(map(str, sorted(plan.block_sizes, reverse=True)))
-    mine = next(c for c in plan.candidates
-                if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
-                == (plan.block_sizes, plan.refresh_tokens, plan.refresh_rows))
-    host = f"  host time between model calls: {1e3 * mine.host_seconds:.1f} ms per answer"
+    host = f"  host time between model calls: {1e3 * plan.chosen.host_seconds:.1f} ms per answer"
     if plan.baseline is not None:
         host += f" (Fast-dLLM {1e3 * plan.baseline.host_seconds:.1f} ms)"
     refresh = "no refresh" if plan.refresh_tokens is None else f"a refresh every {plan.refresh_tokens} tokens" + (

@@ -582,15 +582,21 @@ class BlockBatchPlan:
         return out
 
     @property
+    def chosen(self) -> CandidateCost | None:
+        """The calibration run of the chosen set (its branches, refresh interval and rows), or None where the plan
+        holds no such run (one made by hand)."""
+        return next((c for c in self.candidates if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
+                     == (self.block_sizes, self.refresh_tokens, self.refresh_rows)), None)
+
+    @property
     def expected_vs_fast_dllm(self) -> float | None:
         """The chosen set's expected seconds per answer against Fast-dLLM's on the same calibration prompts (above 1:
         BlockBatch is expected to be the slower on this device), or None where the plan had no `check` and so no
         baseline."""
-        if self.baseline is None or self.baseline.expected_seconds <= 0:
+        chosen = self.chosen
+        if self.baseline is None or self.baseline.expected_seconds <= 0 or chosen is None:
             return None
-        chosen = next((c for c in self.candidates if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
-                       == (self.block_sizes, self.refresh_tokens, self.refresh_rows)), None)
-        return None if chosen is None else chosen.expected_seconds / self.baseline.expected_seconds
+        return chosen.expected_seconds / self.baseline.expected_seconds
 
     def to_dict(self) -> dict:
         ratio = self.expected_vs_fast_dllm
@@ -626,13 +632,17 @@ def _sync(device: torch.device) -> None:
 
 
 class TimedModel:
-    """A DiffusionModel whose calls' time on `clock` adds up in `seconds`, and per kind of call in `calls` ({"full":
-    [count, seconds], "block": [...]}): what a decode spends outside them is its host time (commits, stopping checks,
+    """A DiffusionModel whose calls' time on `clock` adds up per kind of call in `seconds_of` ({"full": s, "block":
+    s}) and in all in `seconds`: what a decode spends outside them is its host time (commits, stopping checks,
     BlockBatch's merge and sync)."""
 
     def __init__(self, model: DiffusionModel, clock: Callable[[], float], device: torch.device):
-        self.model, self.clock, self.device, self.seconds = model, clock, device, 0.0
-        self.calls = {"full": [0, 0.0], "block": [0, 0.0]}
+        self.model, self.clock, self.device = model, clock, device
+        self.seconds_of = {"full": 0.0, "block": 0.0}
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seconds_of.values())
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -648,10 +658,7 @@ class TimedModel:
         start = self.clock()
         out = getattr(self.model, kind)(*args, **kwargs)
         _sync(self.device)
-        seconds = self.clock() - start
-        self.seconds += seconds
-        self.calls[kind][0] += 1
-        self.calls[kind][1] += seconds
+        self.seconds_of[kind] += self.clock() - start
         return out
 
 
