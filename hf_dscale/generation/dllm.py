@@ -26,6 +26,10 @@ sets and refresh intervals (each run's forwards priced, plus the host time it sp
 `BlockBatchPlan` naming the one with the lowest expected seconds; `blockbatch_generate(..., plan=...)` decodes with
 it. A full refresh runs each distinct row once: rows a sync made identical give identical logits and cache rows, so
 one forward of the distinct rows is the same step at a fraction of its cost.
+
+Between model calls both decoders commit, scan the rows for the stopping rule and (BlockBatch) merge. On a CPU a C
+library does each in one call (`kernels/dllm_host.c`, built on first use) where torch runs a dozen small operations;
+elsewhere, or with `host="torch"`, torch does (`host_kernel`). The decodes are the same either way.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's defa
 REFRESH_TOKENS = 32  # BlockBatch's periodic refresh: the paper's interval
 REFRESH_CANDIDATES = (32, 64)  # the intervals a plan compares (the paper's ablation ran 4 to 64)
 REFRESH_ROWS = ("all", "leader")  # what a refresh runs: every branch's row (the paper's), or the leader's alone
+HOSTS = ("auto", "c", "torch")  # who does the bookkeeping between model calls (`host_kernel`)
 
 
 @dataclass
@@ -149,6 +154,51 @@ def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None, cou
     return out
 
 
+
+def host_kernel(host: str, device: torch.device | str):
+    """Who does a decode's bookkeeping between model calls (the commits, the stopping rule's scan, BlockBatch's merge):
+    the C library `kernels.dllm_host` (returned) or torch operations (None). "auto": the library on a CPU where it
+    builds, torch elsewhere; "c": the library (an error where it cannot run); "torch": torch. Both do the same work
+    with the same result; on a CPU the library takes one call where torch takes a dozen small operations."""
+    if host not in HOSTS:
+        raise ValueError(f"host must be one of {HOSTS}, got {host!r}.")
+    on_cpu = torch.device(device).type == "cpu"
+    if host == "torch" or (host == "auto" and not on_cpu):
+        return None
+    from ..kernels import dllm_host
+
+    why = dllm_host.unavailable() if on_cpu else f"the rows are on {device}, and the library runs on the CPU"
+    if why is None:
+        return dllm_host
+    if host == "c":
+        raise ValueError(f"host='c' asks for the C bookkeeping, which cannot run here: {why}. Pass host='torch'.")
+    return None
+
+
+def _commit(kernel, x: torch.Tensor, w: Windows, logits: torch.Tensor, mask_id: int, eos: int | None,
+            threshold: float, state: _Branches | None = None) -> None:
+    """The threshold commit in windows `w` of x from their logits [R, Q, V] (`commit_windows`), by `host_kernel`'s
+    choice; `state`: and every window slot's beliefs go to its map (BlockBatch's block step)."""
+    if kernel is not None:
+        kernel.commit(x, w.rows, w.targets, w.valid, logits, mask_id, eos, threshold,
+                      None if state is None else (state.prob, state.eos, state.best))
+        return
+    conf, tokens, probs = confidences(logits, mask_id)
+    if state is not None:
+        state.remember(w.rows, _beliefs(conf, tokens, probs, eos, w.real), w.at)
+    commit_windows(x, w, conf, tokens, mask_id, threshold)
+
+
+def _scan(kernel, x: torch.Tensor, rows: torch.Tensor | None, prompt_len: int, mask_id: int, eos: int | None
+          ) -> list[tuple]:
+    """`scan(x[rows], ..., counts=True)` (rows None: all of x) by `host_kernel`'s choice."""
+    if kernel is None:
+        return scan(x if rows is None else x[rows], prompt_len, mask_id, eos, True)
+    if rows is None:
+        rows = torch.arange(x.shape[0])
+    return kernel.scan(x, rows, prompt_len, mask_id, eos)
+
+
 def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int, seq_len: int,
           windows: tuple[int, ...] = ()) -> None:
     """Record one model call's shape (what a plan prices) and the query tokens it runs. A block call runs the
@@ -171,18 +221,20 @@ def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torc
 
 @torch.no_grad()
 def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256, block_size: int = 32,
-                       threshold: float = 0.9, commit_first: bool | None = None) -> DLLMResult:
+                       threshold: float = 0.9, commit_first: bool | None = None, host: str = "auto") -> DLLMResult:
     """Fast-dLLM with the dual cache (see the module docstring); prompt [1, P].
 
     `commit_first`: the full forward that opens a block commits the block's first position (its most likely
     token) and nothing else, and the threshold rule starts with the first block forward, as Fast-dLLM's decoder
     for Dream does; otherwise the threshold rule applies to the full forward's logits too, as its decoder for
-    LLaDA does. None: by the model's style (Dream-style, shifted logits: True).
+    LLaDA does. None: by the model's style (Dream-style, shifted logits: True). `host`: who does the bookkeeping
+    between model calls (`host_kernel`).
     """
     commit_first = bool(model.shift) if commit_first is None else commit_first
     if gen_length % block_size:
         raise ValueError(f"gen_length {gen_length} must be a multiple of block_size {block_size}.")
     x = _start(model, prompt, gen_length)
+    kernel = host_kernel(host, x.device)
     p, mask_id, eos = prompt.shape[1], model.mask_token_id, model.eos_token_id
     result = DLLMResult(sequence=x[0], block_size=block_size)
     cache = model.new_cache()
@@ -193,19 +245,16 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         result.nfe_full += 1
         _book(result, model, cache, "full", 1, x.shape[1])
         if commit_first:  # the most likely token at the block's first position, whatever its confidence
-            conf, tokens, _ = confidences(logits[:, s : s + 1], mask_id)
-            commit_windows(x, windows_at([0], w.targets[:, :1]), conf, tokens, mask_id, threshold=2.0)
+            _commit(kernel, x, windows_at([0], w.targets[:, :1]), logits[:, s : s + 1], mask_id, eos, threshold=2.0)
         else:
-            conf, tokens, _ = confidences(logits[:, s : s + block_size], mask_id)
-            commit_windows(x, w, conf, tokens, mask_id, threshold)
-        [(first, end)] = scan(x, p, mask_id, eos)
+            _commit(kernel, x, w, logits[:, s : s + block_size], mask_id, eos, threshold)
+        [(first, end, _)] = _scan(kernel, x, None, p, mask_id, eos)
         while end is None and first is not None and p + first < s + block_size:  # the block still holds a mask
             logits = model.block(x, w.targets, w.valid, cache)
             result.nfe_block += 1
             _book(result, model, cache, "block", 1, x.shape[1], (block_size,))
-            conf, tokens, _ = confidences(logits, mask_id)
-            commit_windows(x, w, conf, tokens, mask_id, threshold)
-            [(first, end)] = scan(x, p, mask_id, eos)
+            _commit(kernel, x, w, logits, mask_id, eos, threshold)
+            [(first, end, _)] = _scan(kernel, x, None, p, mask_id, eos)
         if end is not None:
             break
     result.nfe = result.nfe_full + result.nfe_block
@@ -224,8 +273,9 @@ class _Branches:
     """
 
     def __init__(self, model: DiffusionModel, x: torch.Tensor, prompt_len: int, sizes: list[int],
-                 floor: float = 0.0):
+                 floor: float = 0.0, kernel=None):
         self.model, self.x, self.p, self.sizes, self.floor = model, x, prompt_len, sizes, floor
+        self.kernel = kernel  # `host_kernel`'s choice
         n, length = x.shape
         self.start = [prompt_len] * n  # window start per branch
         self.since_refresh = [0] * n
@@ -234,7 +284,8 @@ class _Branches:
         self.prob, self.eos = self.beliefs
         self.best = torch.zeros(n, length, dtype=torch.long, device=x.device)
         self.cache = model.new_cache()
-        self._windows = None  # (key, Windows) of the last `windows` call
+        self._windows = None  # (key, Windows, cover or None) of the last `windows` call
+        self._grids: dict = {}  # `_grid` per set of rows
         self._after: dict = {}  # the merge's [dst, src] "src ranks after dst", per order of the live branches
 
     def believed(self, p: float) -> float:
@@ -254,23 +305,40 @@ class _Branches:
 
     def windows(self, rows: list[int]) -> Windows:
         """The windows of `rows`, kept until one moves."""
-        return self._windows_of(rows)[0]
+        key = tuple((i, self.start[i]) for i in rows)
+        if self._windows is None or self._windows[0] != key:
+            live, offsets, valid, real, at_rows, _ = self._grid(tuple(rows))
+            targets = torch.tensor([self.start[i] for i in rows], device=self.x.device)[:, None] + offsets
+            self._windows = key, Windows(live, targets, valid, real, (at_rows, targets.flatten()[real])), None
+        return self._windows[1]
 
     def cover(self, rows: list[int]) -> torch.Tensor:
         """The windows of `rows` as a mask over the row [R, L]."""
-        return self._windows_of(rows)[1]
+        w = self.windows(rows)
+        if self._windows[2] is None:
+            starts, sizes = w.targets[:, :1], self._grid(tuple(rows))[5]
+            positions = torch.arange(self.x.shape[1], device=self.x.device)
+            self._windows = self._windows[:2] + ((positions >= starts) & (positions < starts + sizes),)
+        return self._windows[2]
 
-    def _windows_of(self, rows: list[int]) -> tuple[Windows, torch.Tensor]:
-        key = tuple((i, self.start[i]) for i in rows)
-        if self._windows is None or self._windows[0] != key:
+    def rows_of(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as a tensor [R] (kept)."""
+        return self._grid(tuple(rows))[0]
+
+    def _grid(self, rows: tuple[int, ...]) -> tuple:
+        """What the windows of `rows` share whatever their starts (kept per set of rows): rows [R], each slot's offset
+        in its window [R, Q] (Q the widest; padding repeats a window's last position), valid [R, Q], the real slots
+        (indices into R * Q) [T] and their rows [T], and the sizes [R, 1]."""
+        if rows not in self._grids:
             device = self.x.device
-            q = max(self.sizes[i] for i in rows)
-            offsets, positions = torch.arange(q, device=device), torch.arange(self.x.shape[1], device=device)
-            starts, sizes = torch.tensor([[self.start[i] for i in rows], [self.sizes[i] for i in rows]],
-                                         device=device)[:, :, None]
-            windows = windows_at(rows, starts + torch.minimum(offsets, sizes - 1), offsets < sizes)
-            self._windows = key, (windows, (positions >= starts) & (positions < starts + sizes))
-        return self._windows[1]
+            live = torch.tensor(rows, device=device)
+            sizes = torch.tensor([self.sizes[i] for i in rows], device=device)[:, None]
+            offsets = torch.arange(max(self.sizes[i] for i in rows), device=device)
+            valid = offsets < sizes
+            real = valid.flatten().nonzero().squeeze(1)
+            self._grids[rows] = (live, torch.minimum(offsets, sizes - 1), valid, real,
+                                 live[:, None].expand_as(valid).flatten()[real], sizes)
+        return self._grids[rows]
 
     def remember(self, rows: torch.Tensor, beliefs: tuple[torch.Tensor, torch.Tensor], at=None) -> None:
         """Store `_beliefs`' ((prob, eos), best) as those of branches `rows` [R]: [2, T] and [T] at the (row, position)
@@ -336,7 +404,17 @@ def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, 
         return 0, counts
     order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
     after = state.after(live, order)  # [dst, src]
-    rows, cover = state.windows(live).rows, state.cover(live)
+    rows = state.rows_of(live)
+    if state.kernel is not None:
+        adopted = state.kernel.merge(state.x, rows, after, [state.start[i] for i in live],
+                                     [state.sizes[i] for i in live], state.prob, state.best,
+                                     max(gate, state.floor), mask_id)
+        if not any(adopted):
+            return 0, counts
+        first, _, after_merge = zip(*state.kernel.scan(state.x, rows, state.p, mask_id, None))
+        state.place(live, list(first))
+        return sum(adopted), dict(zip(live, after_merge))
+    cover = state.cover(live)
     everyone = len(live) == len(state.sizes)  # the usual case: the state's own tensors, no gathering
     x, best, prob = (state.x, state.best, state.prob) if everyone else (state.x[rows], state.best[rows],
                                                                         state.prob[rows])  # [R, L]
@@ -385,7 +463,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                         block_sizes: Sequence[int] | None = None, threshold: float = 0.9, merge_gate: float = 0.5,
                         prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None | str = "plan",
                         exchange: bool = True, stop_early: bool = True,
-                        plan: BlockBatchPlan | None = None, refresh_rows: str = "plan") -> DLLMResult:
+                        plan: BlockBatchPlan | None = None, refresh_rows: str = "plan", host: str = "auto"
+                        ) -> DLLMResult:
     """BlockBatch (see the module docstring); prompt [1, P].
 
     Branches: `block_sizes` when given, else `plan.block_sizes` (`plan_blockbatch`), else the paper's set.
@@ -394,7 +473,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     "leader": the leader's row alone, which every live branch then takes (as at the start), so a refresh costs one
     row's full forward; "plan": the plan's, else "all".
     `exchange=False` turns off merge and sync (each branch then decodes exactly as it would alone, if
-    `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete.
+    `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete. `host`: who does the
+    bookkeeping between model calls (`host_kernel`).
     """
     if plan is not None and plan.gen_length != gen_length and (block_sizes is None or refresh_tokens == "plan"):
         raise ValueError(f"The plan was made for gen_length {plan.gen_length}, not {gen_length}: make one for "
@@ -416,7 +496,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         raise ValueError(f"gen_length {gen_length} must be a multiple of every block size; not of {bad}.")
     x1 = _start(model, prompt, gen_length)
     p, mask_id, eos, n, length = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes), x1.shape[1]
-    state = _Branches(model, x1.expand(n, -1).clone(), p, sizes, prob_floor)
+    state = _Branches(model, x1.expand(n, -1).clone(), p, sizes, prob_floor, host_kernel(host, x1.device))
+    kernel = state.kernel
     result = DLLMResult(sequence=x1[0])
 
     # init: one full forward of the prompt row, shared by every branch (1 NFE)
@@ -427,8 +508,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         state.cache.expand(n)
     every = state.windows(list(range(n)))
     state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), eos))  # 1 row
-    conf, tokens, _ = confidences(logits[0, every.targets], mask_id)  # [n, Q] twice
-    commit_windows(state.x, every, conf, tokens, mask_id, threshold)
+    _commit(kernel, state.x, every, logits[0, every.targets], mask_id, eos, threshold)  # logits [n, Q, V]
     state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
@@ -457,7 +537,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             state.remember(w.rows, (beliefs[0][:, of_row], beliefs[1][of_row]))
             for i in live:
                 state.since_refresh[i] = 0
-            conf, tokens, _ = confidences(logits[of_row[:, None], w.targets], mask_id)  # [R, Q]: the windows
+            _commit(kernel, state.x, w, logits[of_row[:, None], w.targets], mask_id, eos, threshold)  # [R, Q, V]
         else:
             if len(live) == n:
                 logits = model.block(state.x, w.targets, w.valid, state.cache)  # [n, Q, V]; padding is not run
@@ -469,11 +549,9 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 logits = model.block(state.x, every_row, write, state.cache)[w.rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            conf, tokens, probs = confidences(logits, mask_id)  # [R, Q]: the commit's and the beliefs'
-            state.remember(w.rows, _beliefs(conf, tokens, probs, eos, w.real), w.at)
-        commit_windows(state.x, w, conf, tokens, mask_id, threshold)
+            _commit(kernel, state.x, w, logits, mask_id, eos, threshold, state)  # and the windows' beliefs
         force_block = False
-        first, ends, decoded = zip(*scan(state.x if len(live) == n else state.x[w.rows], p, mask_id, eos, True))
+        first, ends, decoded = zip(*_scan(kernel, state.x, None if len(live) == n else w.rows, p, mask_id, eos))
         if stop_early and any(e is not None for e in ends):
             ready = [(i, e) for i, e in zip(live, ends) if e is not None]
             eos_p = [state.believed(e) for e in state.eos[[i for i, _ in ready], [e - 1 for _, e in ready]].tolist()]
@@ -509,9 +587,14 @@ def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, eos:
 
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:
     """Cache rows `rows` [R] take the rows of `fresh` (U distinct rows) they share: row rows[j] takes of_row[j]."""
+    every = len(rows) == cache.batch_size  # the usual case: every branch is live
     for mine, theirs in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
         for t, u in zip(mine, theirs):
-            t[rows] = u if u.shape[0] == 1 else u[of_row]  # one distinct row (the usual case after a sync): broadcast
+            u = u if u.shape[0] == 1 else u[of_row]  # one distinct row (the usual case after a sync): broadcast
+            if every:
+                t.copy_(u.expand_as(t))
+            else:
+                t[rows] = u
 
 
 # ------------------------------------------------------------------------------------------ the plan

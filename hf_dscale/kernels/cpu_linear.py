@@ -28,16 +28,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .build import build
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -46,16 +43,6 @@ ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}  # b
 
 class CpuLinearUnavailable(RuntimeError):
     """The kernel cannot run here; the message says why."""
-
-
-def _cache_folder() -> Path:
-    from ..models.targets import cache_dir  # the package's one cache folder
-
-    return Path(cache_dir()) / "kernels"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 @functools.cache
@@ -67,29 +54,9 @@ def _library() -> ctypes.CDLL | str:
     isa = "AVX512" if "AVX512" in capability else "AVX2" if "AVX2" in capability else None
     if isa is None:
         return f"the kernel needs AVX2 or AVX-512; torch reports this CPU's vector capability as {capability}"
-    compiler = _compiler()
-    if compiler is None:
-        return "no C compiler found (set $CC, or install gcc)"
-    flags = (*FLAGS, *ISA_FLAGS[isa])
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-    target = _cache_folder() / f"cpu_linear-{isa.lower()}-{digest}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
-                built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True,
-                                        text=True)
-                if result.returncode != 0:
-                    return f"compiling {SOURCE.name} with {compiler} failed: {result.stderr.strip()[:300]}"
-                os.replace(built, target)
-        except OSError as error:  # a cache folder that cannot be written, a compiler that cannot be run
-            return f"building {target.name} in {target.parent} failed: {error}"
-    try:
-        library = ctypes.CDLL(str(target))
-    except OSError as error:
-        return f"loading {target.name} failed: {error}"
+    library = build(SOURCE, f"cpu_linear-{isa.lower()}", (*FLAGS, *ISA_FLAGS[isa]))
+    if isinstance(library, str):
+        return library
     library.isa = isa
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f32, cint = ctypes.c_float, ctypes.c_int

@@ -194,13 +194,13 @@ def test_plan_prices_the_host_time_between_model_calls(monkeypatch):
 
     model = _Clocked(DiffusionModel(tiny_dlm(seed=2)))
     model._tick = lambda tokens: setattr(model, "now", model.now + 1e-3 * tokens)
-    commit = dllm.commit_windows
+    commit = dllm._commit
 
     def slow_commit(*args, **kwargs):
         model.now += 0.05
         return commit(*args, **kwargs)
 
-    monkeypatch.setattr(dllm, "commit_windows", slow_commit)
+    monkeypatch.setattr(dllm, "_commit", slow_commit)
     prompts = [torch.randint(3, VOCAB, (1, 4)) for _ in range(2)]
     right = lambda i, seq: True  # noqa: E731
     plan = plan_blockbatch(model, prompts, G, (4, 8, 16), min_branches=2, clock=lambda: model.now, repeats=3,

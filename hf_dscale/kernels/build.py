@@ -1,0 +1,53 @@
+"""Building hf_dscale's C kernels: compiled on first use with the machine's C compiler, cached per source and flags.
+
+A kernel's shared library goes into the package's cache folder (`$HF_DSCALE_CACHE/kernels`, default
+`~/.cache/hf_dscale/kernels`) under a name that holds a digest of its source, compiler and flags, so an edited source
+or another compiler builds anew and a built one is loaded as it is. It is compiled aside and moved in whole, so a run
+that stops half-way never leaves a broken library behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_folder() -> Path:
+    from ..models.targets import cache_dir  # the package's one cache folder
+
+    return Path(cache_dir()) / "kernels"
+
+
+def compiler() -> str | None:
+    """`$CC`, else `cc` or `gcc` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(source: Path, stem: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
+    """The library built from `source` with `flags` (named `<stem>-<digest>.so` in `cache_folder()`), loaded; or, where
+    it cannot be built or loaded, why, in words."""
+    cc = compiler()
+    if cc is None:
+        return "no C compiler found (set $CC, or install gcc)"
+    digest = hashlib.sha256(source.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    target = cache_folder() / f"{stem}-{digest}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
+                built = Path(tmp) / target.name
+                result = subprocess.run([cc, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
+                if result.returncode != 0:
+                    return f"compiling {source.name} with {cc} failed: {result.stderr.strip()[:300]}"
+                os.replace(built, target)
+        except OSError as error:  # a cache folder that cannot be written, a compiler that cannot be run
+            return f"building {target.name} in {target.parent} failed: {error}"
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as error:
+        return f"loading {target.name} failed: {error}"

@@ -1,0 +1,145 @@
+/* The bookkeeping between the model calls of a masked-diffusion decoder (Fast-dLLM, BlockBatch) on the CPU.
+ *
+ * Each function does in one pass what `hf_dscale/generation/dllm.py` does with a dozen small tensor operations: the
+ * threshold commit of a step's windows (with the beliefs BlockBatch keeps), the stopping rule's scan of the rows,
+ * and BlockBatch's confidence-gated merge. The torch functions there are the reference; dllm_host.py's tests hold
+ * these to them.
+ *
+ * Layouts: x [rows, L] int64 row-major; a step's windows are R rows of Q slots, slot (r, q) at index r * Q + q of
+ * logits [R * Q, V] (float32, row stride `ls`), valid and pos [R * Q]; row_of[r] is the row of x window r belongs
+ * to. Probabilities are computed in double over the vocabulary without the mask token, as the torch reference does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The most likely token of one slot's logits (the mask token excluded; ties to the lowest id), its probability and
+ * the EOS token's (0 when eos_id < 0). */
+static void top_of(const float *logit, int64_t V, int64_t mask_id, int64_t eos_id, double *conf, int64_t *token,
+                   double *eos_p) {
+    double m = -INFINITY;
+    int64_t arg = -1;
+    for (int64_t j = 0; j < V; j++) {
+        if (j == mask_id) continue;
+        double s = logit[j];
+        if (arg < 0 || s > m) {
+            m = s;
+            arg = j;
+        }
+    }
+    /* summed in extended precision: a reordering of the same logits (two slots whose confidences tie) gives the
+     * same sum, so ties go to the first slot as they do in exact arithmetic */
+    long double total = 0.0L;
+    for (int64_t j = 0; j < V; j++) {
+        if (j != mask_id) total += exp((double)logit[j] - m);
+    }
+    double sum = (double)total;
+    *conf = 1.0 / sum;
+    *token = arg;
+    *eos_p = (eos_id >= 0 && eos_id != mask_id) ? exp((double)logit[eos_id] - m) / sum : 0.0;
+}
+
+/* The threshold commit of R windows: in each, every valid slot whose position of x holds the mask and whose
+ * probability is >= threshold takes its most likely token, and at least the most confident such slot does (ties to
+ * the first slot). All slots read x as it was before the step. Where `prob` is given, every valid slot's
+ * (probability, EOS probability, token) also goes to prob, eosp and best [rows, L] at its row and position.
+ * counts[r]: the tokens window r committed. */
+void hf_dscale_dllm_commit(const float *logits, int64_t ls, int64_t V, int64_t R, int64_t Q, const uint8_t *valid,
+                           const int64_t *row_of, const int64_t *pos, int64_t *x, int64_t L, int64_t mask_id,
+                           int64_t eos_id, double threshold, float *prob, float *eosp, int64_t *best,
+                           int64_t *counts) {
+    double *conf = malloc(sizeof(double) * Q);
+    int64_t *token = malloc(sizeof(int64_t) * Q);
+    uint8_t *masked = malloc(Q);
+    for (int64_t r = 0; r < R; r++) {
+        int64_t *row = x + row_of[r] * L;
+        int64_t top = -1;
+        for (int64_t q = 0; q < Q; q++) {
+            int64_t s = r * Q + q;
+            masked[q] = valid[s] && row[pos[s]] == mask_id;
+            if (!valid[s]) continue;
+            double eos_p;
+            top_of(logits + s * ls, V, mask_id, eos_id, &conf[q], &token[q], &eos_p);
+            if (prob != NULL) {
+                int64_t at = row_of[r] * L + pos[s];
+                prob[at] = (float)conf[q];
+                eosp[at] = (float)eos_p;
+                best[at] = token[q];
+            }
+            if (masked[q] && (top < 0 || conf[q] > conf[top])) top = q;
+        }
+        int64_t n = 0;
+        for (int64_t q = 0; q < Q; q++) {
+            if (masked[q] && (q == top || conf[q] >= threshold)) {
+                row[pos[r * Q + q]] = token[q];
+                n++;
+            }
+        }
+        counts[r] = n;
+    }
+    free(conf);
+    free(token);
+    free(masked);
+}
+
+/* The stopping rule's read of R rows of x (rows[r]), over the generation region [p, L): out[r] = (first masked
+ * offset in the region or -1, the answer's end (exclusive; -1 while undecided), tokens decoded in the region). The
+ * end is after the first EOS with no mask before it, or L when the region holds neither a mask nor an EOS. */
+void hf_dscale_dllm_scan(const int64_t *x, int64_t L, int64_t R, const int64_t *rows, int64_t p, int64_t mask_id,
+                         int64_t eos_id, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t *row = x + rows[r] * L;
+        int64_t first = -1, end = -1, masks = 0;
+        for (int64_t l = p; l < L; l++) {
+            if (row[l] == mask_id) {
+                masks++;
+                if (first < 0) first = l - p;
+            } else if (row[l] == eos_id && first < 0 && end < 0) {
+                end = l + 1;
+            }
+        }
+        if (first < 0 && end < 0) end = L;
+        out[3 * r] = first;
+        out[3 * r + 1] = end;
+        out[3 * r + 2] = (L - p) - masks;
+    }
+}
+
+/* BlockBatch's confidence-gated merge over R branches (rows[r] of x; all read the rows as they were): branch d adopts,
+ * at each of its masked positions l where prob[d, l] > gate, its most likely token best[d, l] if a source s offers
+ * it: after[d * R + s] (s's window ends earlier, or as early and s comes later), s agrees with d wherever both are
+ * decoded, and x[s, l] == best[d, l] with l in s's window [start[s], start[s] + size[s]). adopted[d]: its count.
+ * `before` is scratch of R * L int64. */
+void hf_dscale_dllm_merge(int64_t *x, int64_t L, int64_t R, const int64_t *rows, const uint8_t *after,
+                          const int64_t *start, const int64_t *size, const float *prob, const int64_t *best, float gate,
+                          int64_t mask_id, int64_t *before, int64_t *adopted) {
+    for (int64_t r = 0; r < R; r++) memcpy(before + r * L, x + rows[r] * L, sizeof(int64_t) * L);
+    uint8_t *source = malloc(R * R);
+    for (int64_t d = 0; d < R; d++) {
+        for (int64_t s = 0; s < R; s++) {
+            uint8_t ok = after[d * R + s];
+            const int64_t *a = before + d * L, *b = before + s * L;
+            for (int64_t l = 0; ok && l < L; l++) {
+                if (a[l] != mask_id && b[l] != mask_id && a[l] != b[l]) ok = 0;
+            }
+            source[d * R + s] = ok;
+        }
+    }
+    for (int64_t d = 0; d < R; d++) {
+        int64_t n = 0, at = rows[d] * L;
+        for (int64_t l = 0; l < L; l++) {
+            if (before[d * L + l] != mask_id || !(prob[at + l] > gate)) continue;
+            int64_t want = best[at + l];
+            for (int64_t s = 0; s < R; s++) {
+                if (source[d * R + s] && l >= start[s] && l < start[s] + size[s] && before[s * L + l] == want) {
+                    x[at + l] = want;
+                    n++;
+                    break;
+                }
+            }
+        }
+        adopted[d] = n;
+    }
+    free(source);
+}

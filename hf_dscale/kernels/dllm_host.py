@@ -1,0 +1,104 @@
+"""The dLLM decoders' bookkeeping on the CPU in C (`dllm_host.c`): one call where torch runs a dozen small operations.
+
+On a CPU a small masked-diffusion model's step is short, and what the decoder does between two model calls (the
+threshold commit, the stopping rule's scan, BlockBatch's merge) is a fair part of it: each torch operation costs a few
+microseconds whatever its size, and a BlockBatch step runs some sixty of them. These functions do the same work in
+one pass each. They take CPU tensors (int64 rows, float32 logits and beliefs), change them in place as the torch
+functions of `generation/dllm.py` do, and equal them: the tests compare both on random inputs, tokens tied for a
+slot's top included. Two slots whose confidences are equal in exact arithmetic (the same logits in another order)
+tie here, and the first is committed; torch's float sums may break such a tie by a rounding.
+
+The library is built on first use like `cpu_linear` (`kernels/build.py`); where it cannot be, `unavailable()` says
+why and the decoders keep to torch. Whether a decode uses it is its `host` argument (`generation.dllm.host_kernel`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .build import build
+
+SOURCE = Path(__file__).with_name("dllm_host.c")
+FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded library, or why it is not there (kept per process)."""
+    library = build(SOURCE, "dllm_host", FLAGS)
+    if isinstance(library, str):
+        return library
+    i64, ptr, f64, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_float
+    library.hf_dscale_dllm_commit.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, f64, ptr,
+                                              ptr, ptr, ptr]
+    library.hf_dscale_dllm_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr]
+    library.hf_dscale_dllm_merge.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, ptr, ptr]
+    for name in ("commit", "scan", "merge"):
+        getattr(library, f"hf_dscale_dllm_{name}").restype = None
+    return library
+
+
+def unavailable() -> str | None:
+    """Why the library cannot run here, or None when it can (builds it on the first call)."""
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.device.type != "cpu" or x.dtype != torch.long or not x.is_contiguous():
+        raise ValueError(f"dllm_host takes the rows as a contiguous int64 CPU tensor; got {x.dtype} on {x.device}.")
+
+
+def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
+           mask_id: int, eos_id: int | None, threshold: float, beliefs: tuple | None = None) -> list[int]:
+    """`generation.dllm.commit_windows` from the logits: window r of x [N, L] is row rows[r] [R] at positions
+    targets [R, Q] (valid [R, Q]: False is padding), with logits [R, Q, V] there. `beliefs`: (prob, eos, best), each
+    [N, L] (float32, float32, int64), take every valid slot's probability, EOS probability and most likely token, as
+    `_Branches.remember` of `_beliefs` does. Returns the tokens each window committed."""
+    _check(x)
+    r, q = targets.shape
+    logits = logits.reshape(r * q, -1)
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        logits = logits.float().contiguous()
+    rows, targets = rows.contiguous(), targets.contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    counts = torch.empty(r, dtype=torch.long)
+    prob = eos = best = None
+    if beliefs is not None:
+        prob, eos, best = (t.data_ptr() for t in beliefs)
+    _library().hf_dscale_dllm_commit(logits.data_ptr(), logits.stride(0), logits.shape[1], r, q, valid.data_ptr(),
+                                     rows.data_ptr(), targets.data_ptr(), x.data_ptr(), x.shape[1], mask_id,
+                                     -1 if eos_id is None else eos_id, threshold, prob, eos, best, counts.data_ptr())
+    return counts.tolist()
+
+
+def scan(x: torch.Tensor, rows: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple]:
+    """`generation.dllm.scan(x[rows], prompt_len, mask_id, eos_id, counts=True)`: (first mask offset, end, decoded)
+    per row, None where the torch function has None."""
+    _check(x)
+    out = torch.empty(len(rows), 3, dtype=torch.long)
+    rows = rows.contiguous()
+    _library().hf_dscale_dllm_scan(x.data_ptr(), x.shape[1], len(rows), rows.data_ptr(), prompt_len, mask_id,
+                                   -1 if eos_id is None else eos_id, out.data_ptr())
+    return [(None if f < 0 else f, None if e < 0 else e, n) for f, e, n in out.tolist()]
+
+
+def merge(x: torch.Tensor, rows: torch.Tensor, after: torch.Tensor, starts: list[int], sizes: list[int],
+          prob: torch.Tensor, best: torch.Tensor, gate: float, mask_id: int) -> list[int]:
+    """The merge of `generation.dllm._merge` over branches rows [R] of x (in place): after [R, R] (bool, [dst, src]),
+    each branch's window start and size, its beliefs prob [N, L] (float32) and best [N, L] (int64); `gate` the
+    probability a position must exceed (the merge gate or the floor, the higher). Returns the tokens each adopted."""
+    _check(x)
+    r = len(rows)
+    adopted = torch.empty(r, dtype=torch.long)
+    scratch = torch.empty(r, x.shape[1], dtype=torch.long)
+    windows = torch.tensor([starts, sizes], dtype=torch.long)
+    rows, after = rows.contiguous(), after.contiguous().view(torch.uint8)
+    _library().hf_dscale_dllm_merge(x.data_ptr(), x.shape[1], r, rows.data_ptr(), after.data_ptr(),
+                                    windows[0].data_ptr(), windows[1].data_ptr(), prob.data_ptr(), best.data_ptr(),
+                                    gate, mask_id, scratch.data_ptr(), adopted.data_ptr())
+    return adopted.tolist()
