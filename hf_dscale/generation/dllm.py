@@ -176,27 +176,18 @@ def host_kernel(host: str, device: torch.device | str):
 
 
 def _commit(kernel, x: torch.Tensor, w: Windows, logits: torch.Tensor, mask_id: int, eos: int | None,
-            threshold: float, state: _Branches | None = None) -> None:
-    """The threshold commit in windows `w` of x from their logits [R, Q, V] (`commit_windows`), by `host_kernel`'s
-    choice; `state`: and every window slot's beliefs go to its map (BlockBatch's block step)."""
+            threshold: float, prompt_len: int, state: _Branches | None = None) -> list[tuple]:
+    """The threshold commit in windows `w` of x from their logits [R, Q, V] (`commit_windows`), then the stopping
+    rule's `scan` of the windows' rows (first mask, end, decoded: returned), by `host_kernel`'s choice; `state`: and
+    every window slot's beliefs go to its map (BlockBatch's block step)."""
     if kernel is not None:
-        kernel.commit(x, w.rows, w.targets, w.valid, logits, mask_id, eos, threshold,
-                      None if state is None else (state.prob, state.eos, state.best))
-        return
+        return kernel.commit(x, w.rows, w.targets, w.valid, logits, mask_id, eos, threshold,
+                             None if state is None else (state.prob, state.eos, state.best), prompt_len)
     conf, tokens, probs = confidences(logits, mask_id)
     if state is not None:
         state.remember(w.rows, _beliefs(conf, tokens, probs, eos, w.real), w.at)
     commit_windows(x, w, conf, tokens, mask_id, threshold)
-
-
-def _scan(kernel, x: torch.Tensor, rows: torch.Tensor | None, prompt_len: int, mask_id: int, eos: int | None
-          ) -> list[tuple]:
-    """`scan(x[rows], ..., counts=True)` (rows None: all of x) by `host_kernel`'s choice."""
-    if kernel is None:
-        return scan(x if rows is None else x[rows], prompt_len, mask_id, eos, True)
-    if rows is None:
-        rows = torch.arange(x.shape[0])
-    return kernel.scan(x, rows, prompt_len, mask_id, eos)
+    return scan(x if len(w.rows) == x.shape[0] else x[w.rows], prompt_len, mask_id, eos, True)
 
 
 def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int, seq_len: int,
@@ -245,16 +236,15 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
         result.nfe_full += 1
         _book(result, model, cache, "full", 1, x.shape[1])
         if commit_first:  # the most likely token at the block's first position, whatever its confidence
-            _commit(kernel, x, windows_at([0], w.targets[:, :1]), logits[:, s : s + 1], mask_id, eos, threshold=2.0)
+            [(first, end, _)] = _commit(kernel, x, windows_at([0], w.targets[:, :1]), logits[:, s : s + 1], mask_id,
+                                        eos, 2.0, p)
         else:
-            _commit(kernel, x, w, logits[:, s : s + block_size], mask_id, eos, threshold)
-        [(first, end, _)] = _scan(kernel, x, None, p, mask_id, eos)
+            [(first, end, _)] = _commit(kernel, x, w, logits[:, s : s + block_size], mask_id, eos, threshold, p)
         while end is None and first is not None and p + first < s + block_size:  # the block still holds a mask
             logits = model.block(x, w.targets, w.valid, cache)
             result.nfe_block += 1
             _book(result, model, cache, "block", 1, x.shape[1], (block_size,))
-            _commit(kernel, x, w, logits, mask_id, eos, threshold)
-            [(first, end, _)] = _scan(kernel, x, None, p, mask_id, eos)
+            [(first, end, _)] = _commit(kernel, x, w, logits, mask_id, eos, threshold, p)
         if end is not None:
             break
     result.nfe = result.nfe_full + result.nfe_block
@@ -404,17 +394,16 @@ def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, 
         return 0, counts
     order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
     after = state.after(live, order)  # [dst, src]
-    rows = state.rows_of(live)
     if state.kernel is not None:
-        adopted = state.kernel.merge(state.x, rows, after, [state.start[i] for i in live],
-                                     [state.sizes[i] for i in live], state.prob, state.best,
-                                     max(gate, state.floor), mask_id)
+        adopted, scanned = state.kernel.merge(state.x, live, after, [state.start[i] for i in live],
+                                              [state.sizes[i] for i in live], state.prob, state.best,
+                                              max(gate, state.floor), mask_id, state.p)
         if not any(adopted):
             return 0, counts
-        first, _, after_merge = zip(*state.kernel.scan(state.x, rows, state.p, mask_id, None))
+        first, _, after_merge = zip(*scanned)
         state.place(live, list(first))
         return sum(adopted), dict(zip(live, after_merge))
-    cover = state.cover(live)
+    rows, cover = state.rows_of(live), state.cover(live)
     everyone = len(live) == len(state.sizes)  # the usual case: the state's own tensors, no gathering
     x, best, prob = (state.x, state.best, state.prob) if everyone else (state.x[rows], state.best[rows],
                                                                         state.prob[rows])  # [R, L]
@@ -508,7 +497,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         state.cache.expand(n)
     every = state.windows(list(range(n)))
     state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), eos))  # 1 row
-    _commit(kernel, state.x, every, logits[0, every.targets], mask_id, eos, threshold)  # logits [n, Q, V]
+    _commit(kernel, state.x, every, logits[0, every.targets], mask_id, eos, threshold, p)  # logits [n, Q, V]
     state.snap(*range(n))
     if exchange:
         result.events["synced"] += sync(state, -1)  # hard sync: everyone starts from the leader
@@ -524,8 +513,9 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 state.x[live] = state.x[leader].clone()  # every branch refreshes from the leader's row: one row
                 state.snap(*live)  # each on its own grid
                 w = state.windows(live)
-            # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
-            distinct, of_row = torch.unique(state.x[w.rows], dim=0, return_inverse=True)  # [U, L], [R]
+                distinct, of_row = state.x[leader][None], torch.zeros_like(w.rows)
+            else:  # NOTE: one forward of the distinct rows: a row's logits and cache row depend on that row alone
+                distinct, of_row = torch.unique(state.x[w.rows], dim=0, return_inverse=True)  # [U, L], [R]
             fresh = model.new_cache()
             logits = model.full(distinct, fresh)  # [U, L, V]
             if state.cache is not None:
@@ -537,7 +527,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             state.remember(w.rows, (beliefs[0][:, of_row], beliefs[1][of_row]))
             for i in live:
                 state.since_refresh[i] = 0
-            _commit(kernel, state.x, w, logits[of_row[:, None], w.targets], mask_id, eos, threshold)  # [R, Q, V]
+            scanned = _commit(kernel, state.x, w, logits[of_row[:, None], w.targets], mask_id, eos, threshold, p)
         else:
             if len(live) == n:
                 logits = model.block(state.x, w.targets, w.valid, state.cache)  # [n, Q, V]; padding is not run
@@ -549,9 +539,9 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 logits = model.block(state.x, every_row, write, state.cache)[w.rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            _commit(kernel, state.x, w, logits, mask_id, eos, threshold, state)  # and the windows' beliefs
+            scanned = _commit(kernel, state.x, w, logits, mask_id, eos, threshold, p, state)  # and the beliefs
         force_block = False
-        first, ends, decoded = zip(*_scan(kernel, state.x, None if len(live) == n else w.rows, p, mask_id, eos))
+        first, ends, decoded = zip(*scanned)
         if stop_early and any(e is not None for e in ends):
             ready = [(i, e) for i, e in zip(live, ends) if e is not None]
             eos_p = [state.believed(e) for e in state.eos[[i for i, _ in ready], [e - 1 for _, e in ready]].tolist()]
@@ -804,8 +794,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     on a CPU a step's bookkeeping is a fair part of its cost and grows with the branches. None: priced when the step
     costs are measured (both then are seconds of `clock`), not with a `step_seconds` table. The search
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
-    (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes);
-    then greedily the branch whose addition lowers the expected seconds most. Each move is taken while fewer than
+    (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes)
+    and with each of `REFRESH_ROWS` (every branch's row, or the leader's alone); then greedily the branch whose
+    addition lowers the expected seconds most, at the pair's interval and rows. Each move is taken while fewer than
     `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Within a
     step, sets priced within `tie` of the cheapest are a tie, which the fewer forwards decide (NFE on the calibration
     prompts is exact; a difference of a percent or two in seconds is not). A set qualifies only if at
@@ -916,9 +907,10 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
             min_branches: int, min_gain: float, tie: float, qualifies: Callable[[CandidateCost], bool],
             shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
     """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
-    refresh interval in `refreshes`; then greedy forward selection at the pair's interval, by expected seconds (within
-    `tie` of the cheapest: by NFE), among the sets that `qualifies` (`shortfall` says why one does not).
-    `evaluate(block_sizes, refresh)`. Returns the chosen set and the steps that led to it, in words."""
+    refresh interval in `refreshes` and with each of `REFRESH_ROWS`; then greedy forward selection at the pair's
+    interval and rows, by expected seconds (within `tie` of the cheapest: by NFE), among the sets that `qualifies`
+    (`shortfall` says why one does not). `evaluate(block_sizes, refresh, rows)`. Returns the chosen set and the steps
+    that led to it, in words."""
 
     seen: list[CandidateCost] = []
 
@@ -933,10 +925,11 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
     steps = [f"{_name(current)} {current.expected_seconds * 1e3:.2f} ms: the cheapest single branch"]
     while len(current.block_sizes) < len(sizes):
         if len(current.block_sizes) == 1:  # every pair: the best pair need not hold the best single branch
-            ext = best([evaluate(pair, r) for r in refreshes for pair in itertools.combinations(sizes, 2)])
+            ext = best([evaluate(pair, r, rows) for r in refreshes for rows in REFRESH_ROWS
+                        for pair in itertools.combinations(sizes, 2)])
         else:
-            ext = best([evaluate(tuple(sorted(current.block_sizes + (b,))), current.refresh_tokens)
-                        for b in sizes if b not in current.block_sizes])
+            ext = best([evaluate(tuple(sorted(current.block_sizes + (b,))), current.refresh_tokens,
+                                 current.refresh_rows) for b in sizes if b not in current.block_sizes])
         gain = 1 - ext.expected_seconds / current.expected_seconds if current.expected_seconds > 0 else 0.0
         move = f"-> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
         if len(current.block_sizes) < min_branches:

@@ -40,49 +40,6 @@ static void top_of(const float *logit, int64_t V, int64_t mask_id, int64_t eos_i
     *eos_p = (eos_id >= 0 && eos_id != mask_id) ? exp((double)logit[eos_id] - m) / sum : 0.0;
 }
 
-/* The threshold commit of R windows: in each, every valid slot whose position of x holds the mask and whose
- * probability is >= threshold takes its most likely token, and at least the most confident such slot does (ties to
- * the first slot). All slots read x as it was before the step. Where `prob` is given, every valid slot's
- * (probability, EOS probability, token) also goes to prob, eosp and best [rows, L] at its row and position.
- * counts[r]: the tokens window r committed. */
-void hf_dscale_dllm_commit(const float *logits, int64_t ls, int64_t V, int64_t R, int64_t Q, const uint8_t *valid,
-                           const int64_t *row_of, const int64_t *pos, int64_t *x, int64_t L, int64_t mask_id,
-                           int64_t eos_id, double threshold, float *prob, float *eosp, int64_t *best,
-                           int64_t *counts) {
-    double *conf = malloc(sizeof(double) * Q);
-    int64_t *token = malloc(sizeof(int64_t) * Q);
-    uint8_t *masked = malloc(Q);
-    for (int64_t r = 0; r < R; r++) {
-        int64_t *row = x + row_of[r] * L;
-        int64_t top = -1;
-        for (int64_t q = 0; q < Q; q++) {
-            int64_t s = r * Q + q;
-            masked[q] = valid[s] && row[pos[s]] == mask_id;
-            if (!valid[s]) continue;
-            double eos_p;
-            top_of(logits + s * ls, V, mask_id, eos_id, &conf[q], &token[q], &eos_p);
-            if (prob != NULL) {
-                int64_t at = row_of[r] * L + pos[s];
-                prob[at] = (float)conf[q];
-                eosp[at] = (float)eos_p;
-                best[at] = token[q];
-            }
-            if (masked[q] && (top < 0 || conf[q] > conf[top])) top = q;
-        }
-        int64_t n = 0;
-        for (int64_t q = 0; q < Q; q++) {
-            if (masked[q] && (q == top || conf[q] >= threshold)) {
-                row[pos[r * Q + q]] = token[q];
-                n++;
-            }
-        }
-        counts[r] = n;
-    }
-    free(conf);
-    free(token);
-    free(masked);
-}
-
 /* The stopping rule's read of R rows of x (rows[r]), over the generation region [p, L): out[r] = (first masked
  * offset in the region or -1, the answer's end (exclusive; -1 while undecided), tokens decoded in the region). The
  * end is after the first EOS with no mask before it, or L when the region holds neither a mask nor an EOS. */
@@ -106,14 +63,62 @@ void hf_dscale_dllm_scan(const int64_t *x, int64_t L, int64_t R, const int64_t *
     }
 }
 
+/* The threshold commit of R windows: in each, every valid slot whose position of x holds the mask and whose
+ * probability is >= threshold takes its most likely token, and at least the most confident such slot does (ties to
+ * the first slot). All slots read x as it was before the step. Where `prob` is given, every valid slot's
+ * (probability, EOS probability, token) also goes to prob, eosp and best [rows, L] at its row and position.
+ * counts[r]: the tokens window r committed; where `scan_out` is given, the rows are then scanned into it
+ * (`hf_dscale_dllm_scan` from p). */
+void hf_dscale_dllm_commit(const float *logits, int64_t ls, int64_t V, int64_t R, int64_t Q, const uint8_t *valid,
+                           const int64_t *row_of, const int64_t *pos, int64_t *x, int64_t L, int64_t mask_id,
+                           int64_t eos_id, double threshold, float *prob, float *eosp, int64_t *best,
+                           int64_t *counts, int64_t p, int64_t *scan_out, int threads) {
+    int64_t S = R * Q;
+    double *conf = malloc(sizeof(double) * S), *eos_p = malloc(sizeof(double) * S);
+    int64_t *token = malloc(sizeof(int64_t) * S);
+    /* every slot's softmax first (the work: split between threads), reading nothing the commits write */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t s = 0; s < S; s++) {
+        if (valid[s]) top_of(logits + s * ls, V, mask_id, eos_id, &conf[s], &token[s], &eos_p[s]);
+    }
+    for (int64_t r = 0; r < R; r++) {
+        int64_t *row = x + row_of[r] * L;
+        int64_t top = -1;
+        for (int64_t s = r * Q; s < (r + 1) * Q; s++) {
+            if (!valid[s]) continue;
+            if (prob != NULL) {
+                int64_t at = row_of[r] * L + pos[s];
+                prob[at] = (float)conf[s];
+                eosp[at] = (float)eos_p[s];
+                best[at] = token[s];
+            }
+            if (row[pos[s]] == mask_id && (top < 0 || conf[s] > conf[top])) top = s;
+        }
+        int64_t n = 0;
+        for (int64_t s = r * Q; s < (r + 1) * Q && top >= 0; s++) {  /* reads x as it was: a window's positions differ */
+            if (valid[s] && row[pos[s]] == mask_id && (s == top || conf[s] >= threshold)) {
+                row[pos[s]] = token[s];
+                n++;
+            }
+        }
+        counts[r] = n;
+    }
+    free(conf);
+    free(eos_p);
+    free(token);
+    if (scan_out != NULL) hf_dscale_dllm_scan(x, L, R, row_of, p, mask_id, eos_id, scan_out);
+}
+
+
 /* BlockBatch's confidence-gated merge over R branches (rows[r] of x; all read the rows as they were): branch d adopts,
  * at each of its masked positions l where prob[d, l] > gate, its most likely token best[d, l] if a source s offers
  * it: after[d * R + s] (s's window ends earlier, or as early and s comes later), s agrees with d wherever both are
  * decoded, and x[s, l] == best[d, l] with l in s's window [start[s], start[s] + size[s]). adopted[d]: its count.
- * `before` is scratch of R * L int64. */
+ * The rows are then scanned into scan_out (`hf_dscale_dllm_scan` from p, no EOS). */
 void hf_dscale_dllm_merge(int64_t *x, int64_t L, int64_t R, const int64_t *rows, const uint8_t *after,
                           const int64_t *start, const int64_t *size, const float *prob, const int64_t *best, float gate,
-                          int64_t mask_id, int64_t *before, int64_t *adopted) {
+                          int64_t mask_id, int64_t *adopted, int64_t p, int64_t *scan_out) {
+    int64_t *before = malloc(sizeof(int64_t) * R * L);
     for (int64_t r = 0; r < R; r++) memcpy(before + r * L, x + rows[r] * L, sizeof(int64_t) * L);
     uint8_t *source = malloc(R * R);
     for (int64_t d = 0; d < R; d++) {
@@ -142,4 +147,6 @@ void hf_dscale_dllm_merge(int64_t *x, int64_t L, int64_t R, const int64_t *rows,
         adopted[d] = n;
     }
     free(source);
+    free(before);
+    hf_dscale_dllm_scan(x, L, R, rows, p, mask_id, -1, scan_out);
 }

@@ -23,7 +23,8 @@ import torch
 from .build import build
 
 SOURCE = Path(__file__).with_name("dllm_host.c")
-FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math")
+FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
+PARALLEL_FROM = 1 << 12  # logits (slots x vocabulary) from which a commit splits its softmaxes between threads
 
 
 @functools.cache
@@ -34,9 +35,9 @@ def _library() -> ctypes.CDLL | str:
         return library
     i64, ptr, f64, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_float
     library.hf_dscale_dllm_commit.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, f64, ptr,
-                                              ptr, ptr, ptr]
+                                              ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     library.hf_dscale_dllm_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr]
-    library.hf_dscale_dllm_merge.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, ptr, ptr]
+    library.hf_dscale_dllm_merge.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, ptr, i64, ptr]
     for name in ("commit", "scan", "merge"):
         getattr(library, f"hf_dscale_dllm_{name}").restype = None
     return library
@@ -54,11 +55,13 @@ def _check(x: torch.Tensor) -> None:
 
 
 def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
-           mask_id: int, eos_id: int | None, threshold: float, beliefs: tuple | None = None) -> list[int]:
+           mask_id: int, eos_id: int | None, threshold: float, beliefs: tuple | None = None,
+           prompt_len: int | None = None) -> list:
     """`generation.dllm.commit_windows` from the logits: window r of x [N, L] is row rows[r] [R] at positions
     targets [R, Q] (valid [R, Q]: False is padding), with logits [R, Q, V] there. `beliefs`: (prob, eos, best), each
     [N, L] (float32, float32, int64), take every valid slot's probability, EOS probability and most likely token, as
-    `_Branches.remember` of `_beliefs` does. Returns the tokens each window committed."""
+    `_Branches.remember` of `_beliefs` does. Returns the tokens each window committed; with `prompt_len`, the rows'
+    `scan` after the commit instead (made in the same call)."""
     _check(x)
     r, q = targets.shape
     logits = logits.reshape(r * q, -1)
@@ -67,13 +70,20 @@ def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: to
     rows, targets = rows.contiguous(), targets.contiguous()
     valid = valid.contiguous().view(torch.uint8)
     counts = torch.empty(r, dtype=torch.long)
+    scanned = None if prompt_len is None else torch.empty(r, 3, dtype=torch.long)
     prob = eos = best = None
     if beliefs is not None:
         prob, eos, best = (t.data_ptr() for t in beliefs)
     _library().hf_dscale_dllm_commit(logits.data_ptr(), logits.stride(0), logits.shape[1], r, q, valid.data_ptr(),
                                      rows.data_ptr(), targets.data_ptr(), x.data_ptr(), x.shape[1], mask_id,
-                                     -1 if eos_id is None else eos_id, threshold, prob, eos, best, counts.data_ptr())
-    return counts.tolist()
+                                     -1 if eos_id is None else eos_id, threshold, prob, eos, best, counts.data_ptr(),
+                                     prompt_len or 0, None if scanned is None else scanned.data_ptr(),
+                                     torch.get_num_threads() if logits.numel() >= PARALLEL_FROM else 1)
+    return counts.tolist() if scanned is None else _scanned(scanned)
+
+
+def _scanned(out: torch.Tensor) -> list[tuple]:
+    return [(None if f < 0 else f, None if e < 0 else e, n) for f, e, n in out.tolist()]
 
 
 def scan(x: torch.Tensor, rows: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple]:
@@ -84,21 +94,24 @@ def scan(x: torch.Tensor, rows: torch.Tensor, prompt_len: int, mask_id: int, eos
     rows = rows.contiguous()
     _library().hf_dscale_dllm_scan(x.data_ptr(), x.shape[1], len(rows), rows.data_ptr(), prompt_len, mask_id,
                                    -1 if eos_id is None else eos_id, out.data_ptr())
-    return [(None if f < 0 else f, None if e < 0 else e, n) for f, e, n in out.tolist()]
+    return _scanned(out)
 
 
-def merge(x: torch.Tensor, rows: torch.Tensor, after: torch.Tensor, starts: list[int], sizes: list[int],
-          prob: torch.Tensor, best: torch.Tensor, gate: float, mask_id: int) -> list[int]:
-    """The merge of `generation.dllm._merge` over branches rows [R] of x (in place): after [R, R] (bool, [dst, src]),
+def merge(x: torch.Tensor, rows: list[int], after: torch.Tensor, starts: list[int], sizes: list[int],
+          prob: torch.Tensor, best: torch.Tensor, gate: float, mask_id: int, prompt_len: int = 0
+          ) -> tuple[list[int], list[tuple]]:
+    """The merge of `generation.dllm._merge` over branches `rows` of x (in place): after [R, R] (bool, [dst, src]),
     each branch's window start and size, its beliefs prob [N, L] (float32) and best [N, L] (int64); `gate` the
-    probability a position must exceed (the merge gate or the floor, the higher). Returns the tokens each adopted."""
+    probability a position must exceed (the merge gate or the floor, the higher). Returns the tokens each adopted,
+    and the rows' `scan` from `prompt_len` after the merge (without an EOS: the first mask and the tokens decoded
+    are what count)."""
     _check(x)
     r = len(rows)
-    adopted = torch.empty(r, dtype=torch.long)
-    scratch = torch.empty(r, x.shape[1], dtype=torch.long)
-    windows = torch.tensor([starts, sizes], dtype=torch.long)
-    rows, after = rows.contiguous(), after.contiguous().view(torch.uint8)
-    _library().hf_dscale_dllm_merge(x.data_ptr(), x.shape[1], r, rows.data_ptr(), after.data_ptr(),
-                                    windows[0].data_ptr(), windows[1].data_ptr(), prob.data_ptr(), best.data_ptr(),
-                                    gate, mask_id, scratch.data_ptr(), adopted.data_ptr())
-    return adopted.tolist()
+    i64s = ctypes.c_int64 * r
+    out = (ctypes.c_int64 * (4 * r))()  # adopted [R], then the scan [R, 3]
+    _library().hf_dscale_dllm_merge(x.data_ptr(), x.shape[1], r, i64s(*rows), after.contiguous().data_ptr(),
+                                    i64s(*starts), i64s(*sizes), prob.data_ptr(), best.data_ptr(), gate, mask_id, out,
+                                    prompt_len, ctypes.byref(out, 8 * r))
+    values = list(out)
+    scanned = [tuple(values[k : k + 3]) for k in range(r, 4 * r, 3)]
+    return values[:r], [(None if f < 0 else f, None if e < 0 else e, n) for f, e, n in scanned]

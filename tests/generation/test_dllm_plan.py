@@ -298,8 +298,9 @@ def test_a_leader_refresh_runs_one_row_that_every_branch_takes():
 
 
 def test_a_plan_carries_its_refresh_rows_into_decoding_and_json():
-    """A plan's refresh_rows (the paper's "all" unless set: `dataclasses.replace(plan, refresh_rows="leader")`) is
-    what `blockbatch_generate(plan=)` and `generate(blockbatch_plan=)` run, and survives the plan's JSON."""
+    """The plan tries every pair with each refresh's rows; where a full forward costs each row it runs (a CPU), the
+    leader's row alone is the cheaper refresh and the plan takes it. A plan's refresh_rows is what
+    `blockbatch_generate(plan=)` and `generate(blockbatch_plan=)` run, and survives the plan's JSON."""
     import dataclasses
 
     dlm = DiffusionModel(tiny_dlm(seed=3))
@@ -307,16 +308,18 @@ def test_a_plan_carries_its_refresh_rows_into_decoding_and_json():
     per_row = lambda kind, queries: 20.0 * len(queries) if kind == "full" else 1.0  # noqa: E731
     plan = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(2,),
                            step_seconds=per_row, agree=lambda a, b: True)
-    assert plan.refresh_rows == "all"
-    leader = dataclasses.replace(plan, refresh_rows="leader")
+    assert {c.refresh_rows for c in plan.candidates if len(c.block_sizes) == 2} == {"all", "leader"}
+    assert plan.refresh_rows == "leader"
+    every = dataclasses.replace(plan, refresh_rows="all")
     by_hand = blockbatch_generate(dlm, prompt, G, plan.block_sizes, refresh_tokens=2, refresh_rows="leader")
-    assert blockbatch_generate(dlm, prompt, G, plan=leader).forwards == by_hand.forwards
-    assert by_hand.forwards != blockbatch_generate(dlm, prompt, G, plan=plan).forwards  # the refreshes differ
+    assert blockbatch_generate(dlm, prompt, G, plan=plan).forwards == by_hand.forwards
+    assert by_hand.forwards != blockbatch_generate(dlm, prompt, G, plan=every).forwards  # the refreshes differ
     stats = []
     dlm.model.generate(prompt, max_new_tokens=G, do_sample=False, custom_generate=dllm_generate,
-                       dllm_method="blockbatch", dllm_stats=stats, blockbatch_plan=leader)
+                       dllm_method="blockbatch", dllm_stats=stats, blockbatch_plan=plan)
     assert stats[0].forwards == by_hand.forwards
-    assert BlockBatchPlan.from_dict(json.loads(json.dumps(leader.to_dict()))).refresh_rows == "leader"
+    assert BlockBatchPlan.from_dict(json.loads(json.dumps(plan.to_dict()))).refresh_rows == "leader"
+    assert BlockBatchPlan.from_dict(json.loads(json.dumps(every.to_dict()))).refresh_rows == "all"
 
 
 def test_bench_both_reports_the_two_methods_side_by_side():
@@ -385,9 +388,9 @@ def test_a_tie_in_seconds_goes_to_the_fewer_forwards():
     """Pairs priced within `tie` of the cheapest are a tie, decided by NFE; with tie=0 the cheapest wins."""
     priced = {(2, 4): (1.00, 10.0), (2, 8): (1.01, 6.0), (4, 8): (1.30, 6.0)}
 
-    def evaluate(combo, refresh=32):
+    def evaluate(combo, refresh=32, rows="all"):
         seconds, nfe = priced.get(combo, (2.0, 12.0) if len(combo) > 1 else (1.5, 16.0))
-        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh)
+        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh, refresh_rows=rows)
 
     def choose(tie):
         return _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, tie, lambda c: True, lambda c: "")[0].block_sizes

@@ -80,6 +80,8 @@ def test_commit_equals_torch_with_beliefs(seed):
                               (got_prob[0], got_prob[1], got_best))
     assert torch.equal(got_x, want_x)
     assert counts == chosen.sum(-1).tolist()
+    scanned = dllm_host.commit(x.clone(), w.rows, w.targets, w.valid, logits, MASK, EOS, threshold, prompt_len=p)
+    assert scanned == scan(want_x[w.rows], p, MASK, EOS, counts=True)  # the same call scans the rows after
     assert torch.equal(got_best, want_best)
     torch.testing.assert_close(got_prob, want_prob, rtol=1e-6, atol=0)
 
