@@ -478,7 +478,8 @@ def _dllm_summary(totals: dict, n: int) -> dict:
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
                block_sizes=None, threshold: float = 0.9, refresh_tokens: int | None | str = "plan",
-               refresh_rows: str = "plan", on_problem: Callable[[int], None] | None = None) -> dict:
+               refresh_rows: str = "plan", on_problem: Callable[[int], None] | None = None,
+               host: str = "auto") -> dict:
     """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`, None: the paper's set; `refresh_tokens`,
     "plan": the paper's 32; `refresh_rows`, "plan": the paper's "all"), or with both
     (`method="both"`): NFE, accuracy (final number) and speed per method.
@@ -490,9 +491,11 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
     all its branches' windows in one forward, costs against a Fast-dLLM one) and `block_step_to_tie` (what it could
     cost, with everything else as measured, for BlockBatch's time per answer to equal Fast-dLLM's): BlockBatch is
     the faster where the first is below the second. On a GPU each call is synchronised before and after, so that its
-    time is its own (both decoders read the device after every step anyway).
+    time is its own (both decoders read the device after every step anyway). `host`: who does the decoders'
+    bookkeeping between model calls (`generation.dllm.host_kernel`); the report says which did (`host`: "c" or
+    "torch").
     """
-    from .generation.dllm import TimedModel, blockbatch_generate, fast_dllm_generate
+    from .generation.dllm import TimedModel, blockbatch_generate, fast_dllm_generate, host_kernel
     from .training.dllm_tasks import final_answer
     from .training.dllm_trainer import encode
 
@@ -501,9 +504,12 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
     methods = DLLM_METHODS if method == "both" else (method,)
     device = next(model.model.parameters()).device
     timed = {m: TimedModel(model, time.perf_counter, device) for m in methods}
-    run = {"fast-dllm": lambda q: fast_dllm_generate(timed["fast-dllm"], q, gen_length, block_size, threshold),
+    run = {"fast-dllm": lambda q: fast_dllm_generate(timed["fast-dllm"], q, gen_length, block_size, threshold,
+                                                     host=host),
            "blockbatch": lambda q: blockbatch_generate(timed["blockbatch"], q, gen_length, block_sizes, threshold,
-                                                       refresh_tokens=refresh_tokens, refresh_rows=refresh_rows)}
+                                                       refresh_tokens=refresh_tokens, refresh_rows=refresh_rows,
+                                                       host=host)}
+    used = "torch" if host_kernel(host, device) is None else "c"
     totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)
               for m in methods}
     same = 0
@@ -527,9 +533,9 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
         totals[m]["full_s"], totals[m]["block_s"] = timed[m].seconds_of["full"], timed[m].seconds_of["block"]
         totals[m]["host_s"] = totals[m]["seconds"] - timed[m].seconds
     if method != "both":
-        return {"method": method, "n_prompts": len(problems), **_dllm_summary(totals[method], n)}
+        return {"method": method, "n_prompts": len(problems), "host": used, **_dllm_summary(totals[method], n)}
     ff, bb = totals["fast-dllm"], totals["blockbatch"]
-    return {"method": "both", "n_prompts": len(problems), "identical_answers": round(same / n, 4),
+    return {"method": "both", "n_prompts": len(problems), "host": used, "identical_answers": round(same / n, 4),
             **{m: _dllm_summary(totals[m], n) for m in methods},
             "blockbatch_vs_fast_dllm": {
                 "nfe": round(bb["nfe"] / max(1, ff["nfe"]), 4),

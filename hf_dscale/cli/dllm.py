@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
                    help="what BlockBatch's refresh runs with --block-sizes: every branch's row (the paper's, and a "
                    "planned run's) or the leader's alone, which every branch then takes")
     b.add_argument("--device", default="auto")
+    b.add_argument("--host", choices=("auto", "c", "torch"), default="auto",
+                   help="who does the decoders' bookkeeping between model calls: auto = the C library on a CPU "
+                        "(built on first use), torch elsewhere")
     b.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--json", default=None)
     b.set_defaults(func=bench_main)
@@ -147,7 +150,7 @@ def bench_main(args) -> int:
     rows = plan.refresh_rows if plan is not None else args.refresh_rows
     report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
                         block_sizes=block_sizes, threshold=args.threshold, refresh_tokens=refresh,
-                        refresh_rows=rows, on_problem=lambda i: bar.update(1))
+                        refresh_rows=rows, on_problem=lambda i: bar.update(1), host=args.host)
     bar.close()
     if args.method != "fast-dllm":
         report["block_sizes"], report["refresh_tokens"], report["refresh_rows"] = block_sizes, refresh, rows
@@ -200,7 +203,7 @@ def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
 
     return plan_blockbatch(dlm, prompts, gen_length, candidates, device, threshold=args.threshold,
                            min_branches=min(args.min_branches, len(candidates)), agree=same_answer, check=right,
-                           baseline_block_size=args.block_size)
+                           baseline_block_size=args.block_size, host=args.host)
 
 
 def _describe_plan(plan, seconds: float) -> str:

@@ -781,7 +781,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     check: Callable[[int, torch.Tensor], bool] | None = None,
                     baseline_block_size: int = 32,
                     refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES,
-                    price_host: bool | None = None) -> BlockBatchPlan:
+                    price_host: bool | None = None, host: str = "auto") -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of r
@@ -808,7 +808,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     prompts right as Fast-dLLM (block `baseline_block_size`, the method BlockBatch is measured against, decoded on
     the same prompts: the plan's `baseline`); `hf-dscale bench-dllm` does, with the task's answers. A wide block
     commits far-ahead tokens the model is confident of, and on a freely worded task those can be wrong: the check
-    keeps such sets out. `device` moves the prompts; `clock` and `repeats` time.
+    keeps such sets out. `device` moves the prompts; `clock` and `repeats` time; `host`: who does the decodes'
+    bookkeeping between model calls (`host_kernel`), as the decodes it plans for will.
 
     `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
 
@@ -867,7 +868,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         """Decode the calibration prompts with these branches; price the forwards each run made."""
         if (combo, refresh, rows) not in tried:
             tried[combo, refresh, rows] = measure(combo, refresh, lambda m, q: blockbatch_generate(
-                m, q, gen_length, combo, threshold, refresh_tokens=refresh, refresh_rows=rows), rows)
+                m, q, gen_length, combo, threshold, refresh_tokens=refresh, refresh_rows=rows, host=host), rows)
         return tried[combo, refresh, rows]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
@@ -879,8 +880,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         def shortfall(c: CandidateCost) -> str:
             return f"agrees with the reference on {100 * c.agreement:.0f}% of the prompts (< {100 * min_agreement:.0f}%)"
     else:
-        baseline = measure(("fast-dllm",), None, lambda m, q: fast_dllm_generate(m, q, gen_length,
-                                                                                baseline_block_size, threshold))
+        baseline = measure(("fast-dllm",), None, lambda m, q: fast_dllm_generate(
+            m, q, gen_length, baseline_block_size, threshold, host=host))
 
         def qualifies(c: CandidateCost) -> bool:
             return c.correct >= baseline.correct

@@ -11,7 +11,7 @@ import torch
 
 from ..engine.state import lay_out
 from ..models.dllm import DiffusionModel
-from .dllm import blockbatch_generate, fast_dllm_generate
+from .dllm import blockbatch_generate, fast_dllm_generate, host_kernel
 
 METHODS = ("fast-dllm", "blockbatch")
 
@@ -19,17 +19,20 @@ METHODS = ("fast-dllm", "blockbatch")
 def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
              mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
              block_sizes=None, blockbatch_plan=None, refresh_tokens="plan", refresh_rows="plan",
-             threshold: float = 0.9, **model_kwargs):
+             threshold: float = 0.9, dllm_host: str = "auto", **model_kwargs):
     """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch; default the paper's 4 to 128) or
     blockbatch_plan (a `BlockBatchPlan` from `plan_blockbatch`: branches and refresh interval chosen by measured step
     costs; explicit block_sizes win); refresh_tokens (BlockBatch's refresh interval, None: never; "plan": the plan's,
     else 32); refresh_rows (what a refresh runs: "all" branches' rows, the paper's, or the "leader"'s alone; "plan":
-    the plan's, else "all"); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts)."""
+    the plan's, else "all"); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts);
+    dllm_host: who does the bookkeeping between model calls ("auto": the C library on a CPU, see
+    `generation.dllm.host_kernel`; "c"; "torch")."""
     if dllm_method not in METHODS:
         raise ValueError(f"dllm_method must be one of {METHODS}, got {dllm_method!r}.")
     if generation_config is not None and generation_config.do_sample:
         raise ValueError("Fast-dLLM and BlockBatch decode greedily here: pass do_sample=False.")
     dlm = DiffusionModel(model, mask_token_id=mask_token_id)
+    host_kernel(dllm_host, input_ids.device)  # a bad choice is refused before any decoding
     gen_length = (generation_config.max_new_tokens if generation_config is not None else None) or 256
     mask = model_kwargs.get("attention_mask")
     valid = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
@@ -37,11 +40,11 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
     for b in range(input_ids.shape[0]):
         prompt = input_ids[b][valid[b]][None]
         if dllm_method == "fast-dllm":
-            result = fast_dllm_generate(dlm, prompt, gen_length, block_size, threshold)
+            result = fast_dllm_generate(dlm, prompt, gen_length, block_size, threshold, host=dllm_host)
         else:
             result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold,
                                          refresh_tokens=refresh_tokens, refresh_rows=refresh_rows,
-                                         plan=blockbatch_plan)
+                                         plan=blockbatch_plan, host=dllm_host)
         answers.append(result.sequence[prompt.shape[1] :])
         if dllm_stats is not None:
             dllm_stats.append(result)
