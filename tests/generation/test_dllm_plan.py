@@ -322,8 +322,10 @@ def test_a_plan_carries_its_refresh_rows_into_decoding_and_json():
     assert BlockBatchPlan.from_dict(json.loads(json.dumps(every.to_dict()))).refresh_rows == "all"
 
 
-def test_bench_both_reports_the_two_methods_side_by_side():
+@pytest.mark.parametrize("host", ["auto", "torch"])
+def test_bench_both_reports_the_two_methods_side_by_side(host):
     from hf_dscale.evaluation import bench_dllm
+    from hf_dscale.generation.dllm import host_kernel
     from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
     from hf_dscale.training.dllm_tasks import build_tokenizer, make_problems
 
@@ -334,7 +336,8 @@ def test_bench_both_reports_the_two_methods_side_by_side():
                                eos_token_id=tokenizer.eos_token_id)
     dlm = DiffusionModel(DiffusionLM(config).eval())
     problems = make_problems("arithmetic", 2, seed=3, heldout=True)
-    report = bench_dllm(dlm, tokenizer, problems, "both", G, 8, [4, 8], 0.9)
+    report = bench_dllm(dlm, tokenizer, problems, "both", G, 8, [4, 8], 0.9, host=host)
+    assert report["host"] == ("torch" if host_kernel(host, "cpu") is None else "c")  # who did the bookkeeping
     ff, bb = report["fast-dllm"], report["blockbatch"]
     assert report["n_prompts"] == 2 and ff["nfe"] >= 1 and bb["nfe"] >= 1
     ratios = report["blockbatch_vs_fast_dllm"]

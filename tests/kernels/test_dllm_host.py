@@ -162,11 +162,8 @@ def test_who_does_the_bookkeeping(monkeypatch):
     assert dllm.HOSTS == ("auto", "c", "torch")
 
 
-def test_generate_and_the_bench_take_the_choice():
-    from hf_dscale.evaluation import bench_dllm
+def test_generate_takes_the_choice():
     from hf_dscale.generation import dllm_generate
-    from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
-    from hf_dscale.training.dllm_tasks import build_tokenizer, make_problems
 
     model = tiny_dlm(seed=7)
     prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(1))
@@ -177,13 +174,3 @@ def test_generate_and_the_bench_take_the_choice():
     with pytest.raises(ValueError, match="host must be one of"):
         model.generate(prompt, max_new_tokens=16, do_sample=False, custom_generate=dllm_generate, dllm_host="gpu")
 
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, mask_token_id=tokenizer.mask_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
-    dlm = DiffusionModel(DiffusionLM(config).eval())
-    problems = make_problems("arithmetic", 2, seed=3, heldout=True)
-    for host in ("c", "torch"):
-        report = bench_dllm(dlm, tokenizer, problems, "both", 32, block_size=16, block_sizes=[8, 16], host=host)
-        assert report["host"] == host
