@@ -154,7 +154,6 @@ def scan(x: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None, cou
     return out
 
 
-
 def host_kernel(host: str, device: torch.device | str):
     """Who does a decode's bookkeeping between model calls (the commits, the stopping rule's scan, BlockBatch's merge):
     the C library `kernels.dllm_host` (returned) or torch operations (None). "auto": the library on a CPU where it
@@ -394,15 +393,24 @@ def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, 
         return 0, counts
     order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
     after = state.after(live, order)  # [dst, src]
+    gate = max(gate, state.floor)
     if state.kernel is not None:
         adopted, scanned = state.kernel.merge(state.x, live, after, [state.start[i] for i in live],
-                                              [state.sizes[i] for i in live], state.prob, state.best,
-                                              max(gate, state.floor), mask_id, state.p)
-        if not any(adopted):
-            return 0, counts
-        first, _, after_merge = zip(*scanned)
-        state.place(live, list(first))
-        return sum(adopted), dict(zip(live, after_merge))
+                                              [state.sizes[i] for i in live], state.prob, state.best, gate, mask_id,
+                                              state.p)
+        first, after_merge = [f for f, _, _ in scanned], [n for _, _, n in scanned]
+    else:
+        adopted, first, after_merge = _merge_in_torch(state, live, after, gate)
+    if not any(adopted):  # most steps: nothing moves
+        return 0, counts
+    state.place(live, first)
+    return sum(adopted), dict(zip(live, after_merge))
+
+
+def _merge_in_torch(state: _Branches, live: list[int], after: torch.Tensor, gate: float) -> tuple[list, list, list]:
+    """`_merge`'s adoption in torch operations (`gate`: the floor applied): (tokens adopted per live branch, then each
+    one's first mask offset and decoded count after the merge; both None when nothing was adopted)."""
+    mask_id = state.model.mask_token_id
     rows, cover = state.rows_of(live), state.cover(live)
     everyone = len(live) == len(state.sizes)  # the usual case: the state's own tensors, no gathering
     x, best, prob = (state.x, state.best, state.prob) if everyone else (state.x[rows], state.best[rows],
@@ -411,19 +419,16 @@ def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, 
     clash = ((x[:, None] != x[None]) & decoded[:, None] & decoded[None]).any(-1)  # [dst, src]
     # a source offers dst's most likely token in its window (best is never the mask: a match is a decoded token)
     offered = ((after & ~clash)[:, :, None] & cover[None] & (x[None] == best[:, None])).any(1)  # [dst, L]
-    take = offered & ~decoded & (prob > max(gate, state.floor))
+    take = offered & ~decoded & (prob > gate)
     adopted = take.sum(-1).tolist()
-    if not any(adopted):  # most steps: nothing moves
-        return 0, counts
+    if not any(adopted):  # nothing to write back or read again
+        return adopted, None, None
     merged = torch.where(take, best, x)
     if everyone:
         state.x.copy_(merged)
     else:
         state.x[rows] = merged
-    first, after_merge = _progress(merged[:, state.p :], mask_id)
-    state.place(live, first)
-    return sum(adopted), dict(zip(live, after_merge))
-
+    return (adopted, *_progress(merged[:, state.p :], mask_id))
 
 def leader_of(live: list[int], counts: dict[int, int]) -> int:
     """The leading branch among `live`: the most tokens decoded (`counts`), ties to the first (the smallest block)."""
