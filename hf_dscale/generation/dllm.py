@@ -275,6 +275,7 @@ class _Branches:
         self.cache = model.new_cache()
         self._windows = None  # (key, Windows, cover or None) of the last `windows` call
         self._grids: dict = {}  # `_grid` per set of rows
+        self._offset_lists: dict = {}  # `_offsets` per set of rows
         self._after: dict = {}  # the merge's [dst, src] "src ranks after dst", per order of the live branches
 
     def believed(self, p: float) -> float:
@@ -294,12 +295,21 @@ class _Branches:
 
     def windows(self, rows: list[int]) -> Windows:
         """The windows of `rows`, kept until one moves."""
-        key = tuple((i, self.start[i]) for i in rows)
+        key = tuple(self.start[i] for i in rows), tuple(rows)
         if self._windows is None or self._windows[0] != key:
-            live, offsets, valid, real, at_rows, _ = self._grid(tuple(rows))
-            targets = torch.tensor([self.start[i] for i in rows], device=self.x.device)[:, None] + offsets
-            self._windows = key, Windows(live, targets, valid, real, (at_rows, targets.flatten()[real])), None
+            live, offsets, valid, real, at_rows, _ = self._grid(key[1])
+            targets = torch.tensor([[s + o for o in offsets] for s, offsets in zip(key[0], self._offsets(key[1]))],
+                                   device=self.x.device)
+            # the (row, position) pairs are for the torch bookkeeping; the C library reads the windows as they are
+            at = None if self.kernel is not None else (at_rows, targets.flatten()[real])
+            self._windows = key, Windows(live, targets, valid, real, at), None
         return self._windows[1]
+
+    def _offsets(self, rows: tuple[int, ...]) -> list[list[int]]:
+        """Each slot's offset in its window, as `_grid` has them, as lists (kept per set of rows)."""
+        if rows not in self._offset_lists:
+            self._offset_lists[rows] = self._grid(rows)[1].tolist()
+        return self._offset_lists[rows]
 
     def cover(self, rows: list[int]) -> torch.Tensor:
         """The windows of `rows` as a mask over the row [R, L]."""
@@ -337,6 +347,17 @@ class _Branches:
             self.beliefs[:, rows], self.best[rows] = both, best
         else:
             self.beliefs[:, at[0], at[1]], self.best[at] = both, best
+
+    def believe(self, logits: torch.Tensor, rows: torch.Tensor, of_row: torch.Tensor) -> None:
+        """Branches `rows` [R] take the beliefs of a full forward's logits [U, L, V] of U distinct rows at every
+        position: row rows[j] those of distinct row of_row[j]."""
+        mask_id, eos = self.model.mask_token_id, self.model.eos_token_id
+        if self.kernel is not None:
+            self.kernel.beliefs(logits, rows, of_row, mask_id, eos, self.prob, self.eos, self.best)
+            return
+        # float32 over whole sequences: float64 probabilities of every position would be large for a hub vocabulary
+        both, best = _beliefs(*confidences(logits, mask_id, torch.float32), eos)  # [2, U, L], [U, L]
+        self.remember(rows, (both[:, of_row], best[of_row]))
 
     def progress(self, rows: list[int]) -> tuple[list[int | None], list[int]]:
         """(first mask offset, None when none is left; tokens decoded) in the generation region of each of `rows`."""
@@ -382,25 +403,44 @@ def merge(state: _Branches, gate: float) -> int:
     return _merge(state, gate, dict(zip(live, state.decoded(live))))[0]
 
 
-def _merge(state: _Branches, gate: float, counts: dict[int, int]) -> tuple[int, dict[int, int]]:
+def _branch_commit(state: _Branches, live: list[int], w: Windows, logits: torch.Tensor, threshold: float,
+                   beliefs: bool, gate: float | None) -> tuple[list[tuple], tuple | None]:
+    """A BlockBatch step's commit in the windows `w` of branches `live` (`beliefs`: every window slot's beliefs go
+    to the maps) and its scan; with the C library and a merge `gate`, the merge that follows runs in the same call.
+    Returns (the scan, that merge's result for `_merge`, or None: `_merge` does the merge)."""
+    model = state.model
+    if state.kernel is None or gate is None:
+        return _commit(state.kernel, state.x, w, logits, model.mask_token_id, model.eos_token_id, threshold, state.p,
+                       state if beliefs else None), None
+    return state.kernel.commit_merge(state.x, w.rows, w.targets, w.valid, logits, model.mask_token_id,
+                                     model.eos_token_id, threshold,
+                                     (state.prob, state.eos, state.best) if beliefs else None, state.p,
+                                     [state.sizes[i] for i in live], state.prob, state.best, max(gate, state.floor))
+
+
+def _merge(state: _Branches, gate: float, counts: dict[int, int], merged: tuple | None = None
+           ) -> tuple[int, dict[int, int]]:
     """Every live branch (dst) adopts, at each of its masked positions where its own probability for its most likely
     token is > gate, that token if a source offers it: a branch whose window ends earlier (or as early and comes
     later), which agrees with dst wherever both are decoded, and holds the token in its window. Every branch reads
     the rows as they were before the merge, so all adopt in one pass. `counts`: the live branches' decoded tokens
-    before it. Returns (tokens adopted, decoded count per live branch after the merge)."""
+    before it; `merged`: the merge as `_branch_commit` already made it in C (tokens adopted and the scan after it, per
+    live branch), or None. Returns (tokens adopted, decoded count per live branch after the merge)."""
     live, mask_id = state.live(), state.model.mask_token_id
     if len(live) < 2:
         return 0, counts
-    order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
-    after = state.after(live, order)  # [dst, src]
-    gate = max(gate, state.floor)
-    if state.kernel is not None:
-        adopted, scanned = state.kernel.merge(state.x, live, after, [state.start[i] for i in live],
-                                              [state.sizes[i] for i in live], state.prob, state.best, gate, mask_id,
-                                              state.p)
+    if merged is None:
+        order = sorted(live, key=lambda i: state.start[i] + state.sizes[i], reverse=True)  # the paper's: stable
+        after = state.after(live, order)  # [dst, src]
+        gate = max(gate, state.floor)
+        if state.kernel is not None:
+            merged = state.kernel.merge(state.x, live, after, [state.start[i] for i in live],
+                                        [state.sizes[i] for i in live], state.prob, state.best, gate, mask_id, state.p)
+        else:
+            adopted, first, after_merge = _merge_in_torch(state, live, after, gate)
+    if merged is not None:
+        adopted, scanned = merged
         first, after_merge = [f for f, _, _ in scanned], [n for _, _, n in scanned]
-    else:
-        adopted, first, after_merge = _merge_in_torch(state, live, after, gate)
     if not any(adopted):  # most steps: nothing moves
         return 0, counts
     state.place(live, first)
@@ -501,7 +541,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     if state.cache is not None:
         state.cache.expand(n)
     every = state.windows(list(range(n)))
-    state.remember(every.rows, _beliefs(*confidences(logits, mask_id, torch.float32), eos))  # 1 row
+    state.believe(logits, every.rows, torch.zeros_like(every.rows))  # 1 row
     _commit(kernel, state.x, every, logits[0, every.targets], mask_id, eos, threshold, p)  # logits [n, Q, V]
     state.snap(*range(n))
     if exchange:
@@ -528,11 +568,11 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             result.nfe_full += 1
             _book(result, model, fresh, "full", distinct.shape[0], length)
             result.events["refreshes"] += 1
-            beliefs = _beliefs(*confidences(logits, mask_id, torch.float32), eos)  # [U, L] each
-            state.remember(w.rows, (beliefs[0][:, of_row], beliefs[1][of_row]))
+            state.believe(logits, w.rows, of_row)
             for i in live:
                 state.since_refresh[i] = 0
-            scanned = _commit(kernel, state.x, w, logits[of_row[:, None], w.targets], mask_id, eos, threshold, p)
+            scanned, merged = _branch_commit(state, live, w, logits[of_row[:, None], w.targets], threshold, False,
+                                             merge_gate if exchange else None)
         else:
             if len(live) == n:
                 logits = model.block(state.x, w.targets, w.valid, state.cache)  # [n, Q, V]; padding is not run
@@ -544,7 +584,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
                 logits = model.block(state.x, every_row, write, state.cache)[w.rows]  # [R, Q, V]
             result.nfe_block += 1
             _book(result, model, state.cache, "block", n, length, tuple(state.sizes[i] for i in live))
-            scanned = _commit(kernel, state.x, w, logits, mask_id, eos, threshold, p, state)  # and the beliefs
+            scanned, merged = _branch_commit(state, live, w, logits, threshold, True, merge_gate if exchange else None)
         force_block = False
         first, ends, decoded = zip(*scanned)
         if stop_early and any(e is not None for e in ends):
@@ -554,7 +594,7 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
             break
         state.place(live, first)
         if exchange:
-            adopted, counts = _merge(state, merge_gate, dict(zip(live, decoded)))
+            adopted, counts = _merge(state, merge_gate, dict(zip(live, decoded)), merged)
             result.events["merged"] += adopted
             synced = sync(state, sync_threshold, counts)
             result.events["synced"] += synced
@@ -583,6 +623,9 @@ def _beliefs(conf: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, eos:
 def _write_distinct(cache, rows: torch.Tensor, fresh, of_row: torch.Tensor) -> None:
     """Cache rows `rows` [R] take the rows of `fresh` (U distinct rows) they share: row rows[j] takes of_row[j]."""
     every = len(rows) == cache.batch_size  # the usual case: every branch is live
+    if every and fresh.batch_size == 1:  # and one distinct row (a refresh of the leader's row, or after a sync)
+        cache.fill(fresh)
+        return
     for mine, theirs in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
         for t, u in zip(mine, theirs):
             u = u if u.shape[0] == 1 else u[of_row]  # one distinct row (the usual case after a sync): broadcast

@@ -110,6 +110,28 @@ void hf_dscale_dllm_commit(const float *logits, int64_t ls, int64_t V, int64_t R
 }
 
 
+/* The beliefs of a full forward: logits [R, L, V] (row stride `rs`, position stride `ls`) of R distinct rows; branch
+ * rows[n] (n < N) takes those of distinct row of_row[n], every position: its probability, EOS probability and most
+ * likely token go to prob, eosp and best [rows, L]. Each (distinct row, position) is computed once. */
+void hf_dscale_dllm_beliefs(const float *logits, int64_t rs, int64_t ls, int64_t V, int64_t R, int64_t L,
+                            int64_t N, const int64_t *rows, const int64_t *of_row, int64_t mask_id, int64_t eos_id,
+                            float *prob, float *eosp, int64_t *best, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t s = 0; s < R * L; s++) {
+        int64_t u = s / L, l = s % L, token;
+        double conf, eos_p;
+        top_of(logits + u * rs + l * ls, V, mask_id, eos_id, &conf, &token, &eos_p);
+        for (int64_t n = 0; n < N; n++) {
+            if (of_row[n] != u) continue;
+            int64_t at = rows[n] * L + l;
+            prob[at] = (float)conf;
+            eosp[at] = (float)eos_p;
+            best[at] = token;
+        }
+    }
+}
+
+
 /* BlockBatch's confidence-gated merge over R branches (rows[r] of x; all read the rows as they were): branch d adopts,
  * at each of its masked positions l where prob[d, l] > gate, its most likely token best[d, l] if a source s offers
  * it: after[d * R + s] (s's window ends earlier, or as early and s comes later), s agrees with d wherever both are
@@ -149,4 +171,61 @@ void hf_dscale_dllm_merge(int64_t *x, int64_t L, int64_t R, const int64_t *rows,
     free(source);
     free(before);
     hf_dscale_dllm_scan(x, L, R, rows, p, mask_id, -1, scan_out);
+}
+
+
+/* A BlockBatch step's commit (`hf_dscale_dllm_commit`, scanned into scan_out [R, 3]), then, unless a window's row
+ * has an ended answer (returns -1: the decoder stops), the merge that follows it: each window's branch still holding
+ * a mask moves its window to the block of its own grid (size[r]) holding its first mask, into start[r]; the merge
+ * orders them by window end, the latest first (ties in window order), and runs over them (`hf_dscale_dllm_merge`
+ * with mprob and mbest [rows, L]), into adopted and merge_scan [R, 3] in window order. Returns how many branches
+ * the merge ran over (0: fewer than two). */
+int64_t hf_dscale_dllm_commit_merge(const float *logits, int64_t ls, int64_t V, int64_t R, int64_t Q,
+                                    const uint8_t *valid, const int64_t *row_of, const int64_t *pos, int64_t *x,
+                                    int64_t L, int64_t mask_id, int64_t eos_id, double threshold, float *prob,
+                                    float *eosp, int64_t *best, int64_t *counts, int64_t p, int64_t *scan_out,
+                                    int threads, const int64_t *size, int64_t *start, const float *mprob,
+                                    const int64_t *mbest, float gate, int64_t *adopted, int64_t *merge_scan) {
+    hf_dscale_dllm_commit(logits, ls, V, R, Q, valid, row_of, pos, x, L, mask_id, eos_id, threshold, prob, eosp,
+                          best, counts, p, scan_out, threads);
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; r++) {
+        if (scan_out[3 * r + 1] >= 0) return -1;
+    }
+    int64_t *live = malloc(sizeof(int64_t) * R * 4);
+    int64_t *rows = live + R, *starts = live + 2 * R, *sizes = live + 3 * R;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t first = scan_out[3 * r];
+        if (first < 0) continue;
+        start[r] = p + (first / size[r]) * size[r];
+        live[n++] = r;
+    }
+    if (n >= 2) {
+        int64_t *order = malloc(sizeof(int64_t) * n);
+        uint8_t *after = malloc(n * n);
+        for (int64_t k = 0; k < n; k++) {  /* stable insertion sort, latest window end first */
+            int64_t j = k;
+            while (j > 0 && start[live[order[j - 1]]] + size[live[order[j - 1]]] < start[live[k]] + size[live[k]]) {
+                order[j] = order[j - 1];
+                j--;
+            }
+            order[j] = k;
+        }
+        int64_t *rank = rows;  /* borrowed: rank of each live branch in the order, before rows is filled */
+        for (int64_t k = 0; k < n; k++) rank[order[k]] = k;
+        for (int64_t d = 0; d < n; d++) {
+            for (int64_t s = 0; s < n; s++) after[d * n + s] = rank[s] > rank[d];
+        }
+        for (int64_t k = 0; k < n; k++) {
+            rows[k] = row_of[live[k]];
+            starts[k] = start[live[k]];
+            sizes[k] = size[live[k]];
+        }
+        hf_dscale_dllm_merge(x, L, n, rows, after, starts, sizes, mprob, mbest, gate, mask_id, adopted, p,
+                             merge_scan);
+        free(order);
+        free(after);
+    }
+    free(live);
+    return n >= 2 ? n : 0;
 }

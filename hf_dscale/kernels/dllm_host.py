@@ -38,7 +38,12 @@ def _library() -> ctypes.CDLL | str:
                                               ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     library.hf_dscale_dllm_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr]
     library.hf_dscale_dllm_merge.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, ptr, i64, ptr]
-    for name in ("commit", "scan", "merge"):
+    library.hf_dscale_dllm_beliefs.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr,
+                                               ctypes.c_int]
+    library.hf_dscale_dllm_commit_merge.argtypes = [*library.hf_dscale_dllm_commit.argtypes, ptr, ptr, ptr, ptr, f32,
+                                                    ptr, ptr]
+    library.hf_dscale_dllm_commit_merge.restype = i64
+    for name in ("commit", "scan", "merge", "beliefs"):
         getattr(library, f"hf_dscale_dllm_{name}").restype = None
     return library
 
@@ -62,6 +67,39 @@ def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: to
     [N, L] (float32, float32, int64), take every valid slot's probability, EOS probability and most likely token, as
     `_Branches.remember` of `_beliefs` does. Returns the tokens each window committed; with `prompt_len`, the rows'
     `scan` after the commit instead (made in the same call)."""
+    args, counts, scanned, _keep = _commit_args(x, rows, targets, valid, logits, mask_id, eos_id, threshold, beliefs,
+                                                prompt_len)
+    _library().hf_dscale_dllm_commit(*args)
+    return counts.tolist() if scanned is None else _scanned(scanned)
+
+
+def commit_merge(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                 logits: torch.Tensor, mask_id: int, eos_id: int | None, threshold: float, beliefs: tuple | None,
+                 prompt_len: int, sizes: list[int], prob: torch.Tensor, best: torch.Tensor, gate: float
+                 ) -> tuple[list, tuple | None]:
+    """`commit` (with its scan) of a BlockBatch step's windows, then in the same call, unless a window's answer
+    ended, the merge that `generation.dllm` runs after it: the windows' branches that still hold a mask move their
+    windows (`sizes`: each window's block size) and merge as `merge` does (prob and best: the maps it reads).
+    Returns (the commit's scan, the merge's (tokens adopted, scan) over those branches in window order, or None
+    where it did not run: an answer ended, or fewer than two branches hold a mask)."""
+    args, _, scanned, _keep = _commit_args(x, rows, targets, valid, logits, mask_id, eos_id, threshold, beliefs,
+                                           prompt_len)
+    r = len(sizes)
+    i64s = ctypes.c_int64 * r
+    start = i64s()
+    out = (ctypes.c_int64 * (4 * r))()  # adopted [R], then the scan [R, 3]
+    n = _library().hf_dscale_dllm_commit_merge(*args, i64s(*sizes), start, prob.data_ptr(), best.data_ptr(), gate,
+                                               out, ctypes.byref(out, 8 * r))
+    if n <= 0:
+        return _scanned(scanned), None
+    values = list(out)
+    merged = [tuple(values[k : k + 3]) for k in range(r, r + 3 * n, 3)]
+    return _scanned(scanned), (values[:n], [(None if f < 0 else f, None, d) for f, _, d in merged])
+
+
+def _commit_args(x, rows, targets, valid, logits, mask_id, eos_id, threshold, beliefs, prompt_len) -> tuple:
+    """`hf_dscale_dllm_commit`'s arguments, the tensors it fills (counts [R]; the scan [R, 3] or None), and the
+    tensors its pointers point into, which the caller holds until the call returns."""
     _check(x)
     r, q = targets.shape
     logits = logits.reshape(r * q, -1)
@@ -74,12 +112,27 @@ def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: to
     prob = eos = best = None
     if beliefs is not None:
         prob, eos, best = (t.data_ptr() for t in beliefs)
-    _library().hf_dscale_dllm_commit(logits.data_ptr(), logits.stride(0), logits.shape[1], r, q, valid.data_ptr(),
-                                     rows.data_ptr(), targets.data_ptr(), x.data_ptr(), x.shape[1], mask_id,
-                                     -1 if eos_id is None else eos_id, threshold, prob, eos, best, counts.data_ptr(),
-                                     prompt_len or 0, None if scanned is None else scanned.data_ptr(),
-                                     torch.get_num_threads() if logits.numel() >= PARALLEL_FROM else 1)
-    return counts.tolist() if scanned is None else _scanned(scanned)
+    args = (logits.data_ptr(), logits.stride(0), logits.shape[1], r, q, valid.data_ptr(), rows.data_ptr(),
+            targets.data_ptr(), x.data_ptr(), x.shape[1], mask_id, -1 if eos_id is None else eos_id, threshold, prob,
+            eos, best, counts.data_ptr(), prompt_len or 0, None if scanned is None else scanned.data_ptr(),
+            torch.get_num_threads() if logits.numel() >= PARALLEL_FROM else 1)
+    return args, counts, scanned, (logits, rows, targets, valid)
+
+
+def beliefs(logits: torch.Tensor, rows: torch.Tensor, of_row: torch.Tensor, mask_id: int, eos_id: int | None,
+            prob: torch.Tensor, eos: torch.Tensor, best: torch.Tensor) -> None:
+    """What `generation.dllm._beliefs(*confidences(logits, mask_id), eos_id)` gives for a full forward's logits
+    [U, L, V] of U distinct rows, stored for every position as the maps prob, eos and best [N, L] (float32, float32,
+    int64) of branch rows[n] [R], which takes those of distinct row of_row[n] [R]."""
+    u, length, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        logits = logits.float().contiguous()
+    rows, of_row = rows.contiguous(), of_row.contiguous()
+    _library().hf_dscale_dllm_beliefs(logits.data_ptr(), logits.stride(0), logits.stride(1), vocab, u, length,
+                                      len(rows), rows.data_ptr(), of_row.data_ptr(), mask_id,
+                                      -1 if eos_id is None else eos_id, prob.data_ptr(), eos.data_ptr(),
+                                      best.data_ptr(), torch.get_num_threads() if logits.numel() >= PARALLEL_FROM
+                                      else 1)
 
 
 def _scanned(out: torch.Tensor) -> list[tuple]:

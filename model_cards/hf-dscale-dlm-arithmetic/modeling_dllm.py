@@ -51,11 +51,16 @@ class DiffusionLMConfig(PretrainedConfig):
 
 
 class DualCache:
-    """Per-layer keys/values [B, heads, L, head_dim] of every position of the sequence."""
+    """Per-layer keys/values [B, heads, L, head_dim] of every position of the sequence.
+
+    Once `expand`ed to several rows, every layer's keys and values are views of one tensor (`storage`, [2 * layers,
+    B, heads, L, head_dim]), so that a row is copied, or every row refilled, in one operation, not one per tensor.
+    """
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.storage: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[-2]
@@ -64,21 +69,37 @@ class DualCache:
     def batch_size(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[0]
 
+    def clear(self) -> None:
+        """Empty it, for a full forward to fill."""
+        self.keys, self.values, self.storage = [None] * len(self.keys), [None] * len(self.values), None
+
     def expand(self, rows: int) -> None:
         """Broadcast a batch-1 cache to `rows` independent rows."""
-        self.keys = [k.expand(rows, -1, -1, -1).clone() for k in self.keys]
-        self.values = [v.expand(rows, -1, -1, -1).clone() for v in self.values]
+        tensors = [*self.keys, *self.values]
+        if len({(t.shape, t.dtype) for t in tensors}) > 1:  # layers unlike each other: one tensor each
+            self.keys = [k.expand(rows, -1, -1, -1).clone() for k in self.keys]
+            self.values = [v.expand(rows, -1, -1, -1).clone() for v in self.values]
+            return
+        self.storage = torch.stack(tensors).expand(-1, rows, -1, -1, -1).clone()
+        n = len(self.keys)
+        self.keys, self.values = list(self.storage[:n].unbind(0)), list(self.storage[n:].unbind(0))
 
     def copy_row(self, dst: int, src: int) -> None:
+        if self.storage is not None:
+            self.storage[:, dst] = self.storage[:, src]
+            return
         for tensors in (self.keys, self.values):
             for t in tensors:
                 t[dst] = t[src]
 
-    def write_rows(self, rows: torch.Tensor, other: "DualCache") -> None:
-        """Rows `rows` of this cache take the rows of `other` (a cache of len(rows) rows)."""
+    def fill(self, other: "DualCache") -> None:
+        """Every row takes the single row of `other`."""
+        if self.storage is not None:
+            self.storage.copy_(torch.stack([*other.keys, *other.values]).expand_as(self.storage))
+            return
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for layer, t in enumerate(mine):
-                t[rows] = theirs[layer]
+            for t, u in zip(mine, theirs):
+                t.copy_(u.expand_as(t))
 
 
 @dataclass
@@ -152,9 +173,22 @@ def attend(q, k, v, cache: DualCache | None, layer: int, block: BlockQueries | N
     keys, values = cache.keys[layer], cache.values[layer]
     keys[block.rows, :, block.positions[0]] = k[0].transpose(0, 1)
     values[block.rows, :, block.positions[0]] = v[0].transpose(0, 1)
-    outs = [_sdpa(q[:, :, i:j], keys[r : r + 1], values[r : r + 1], None if bias is None else bias[r : r + 1])
-            for r, i, j in block.spans]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)).transpose(1, 2).flatten(2)
+    if len(block.spans) == 1:  # one row: its queries against its cache row
+        r = block.spans[0][0]
+        out = _sdpa(q, keys[r : r + 1], values[r : r + 1], None if bias is None else bias[r : r + 1])
+        return out.transpose(1, 2).flatten(2)
+    # several rows: one call over all of them, each row's queries padded to the widest (a padding query attends, and
+    # its output is dropped), which costs less than a call per row
+    rows, width = block.shape
+    heads, d = q.shape[1], q.shape[-1]
+    if block.dense:
+        padded = q[0].reshape(heads, rows, width, d).transpose(0, 1)
+    else:
+        padded = q.new_zeros(rows * width, heads, d)
+        padded[block.index] = q[0].transpose(0, 1)
+        padded = padded.view(rows, width, heads, d).transpose(1, 2)  # [B, H, Q, d]
+    out = _sdpa(padded, keys, values, bias).transpose(1, 2).reshape(rows * width, heads * d)  # [B * Q, H * d]
+    return (out if block.dense else out[block.index])[None]
 
 
 def _sdpa(q, k, v, bias):

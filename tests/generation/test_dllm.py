@@ -206,6 +206,63 @@ def test_ragged_block_call_equals_each_row_alone(shift):
     ragged_block_equals_rows_alone(DiffusionModel(tiny_dlm(shift)), VOCAB)
 
 
+@pytest.mark.parametrize("widths", [(4, 4), (4, 0, 2), (0, 3)])
+def test_block_call_of_several_rows_equals_each_row_alone(widths):
+    """Rows of equal windows (no padding), and a row that runs nothing (its cache row untouched, zero logits): the
+    rows' queries attend in one call, each to its own cache row, as each row's call alone does."""
+    dlm = DiffusionModel(tiny_dlm(0))
+    gen = torch.Generator().manual_seed(len(widths))
+    before = torch.randint(3, VOCAB, (len(widths), 16), generator=gen)
+    after = before.clone()
+    after[:, 6:10] = torch.randint(3, VOCAB, (len(widths), 4), generator=gen)
+    width = max(widths)
+    targets = torch.arange(6, 6 + width).expand(len(widths), width).clone()
+    write = torch.tensor([[k < n for k in range(width)] for n in widths])
+    batched = dlm.new_cache()
+    dlm.full(before, batched)
+    kept = [k.clone() for k in batched.keys]
+    logits = dlm.block(after, targets, write, batched)
+    for r, n in enumerate(widths):
+        if n == 0:
+            assert not logits[r].any()
+            assert all(torch.equal(a[r], b[r]) for a, b in zip(batched.keys, kept))
+            continue
+        alone = dlm.new_cache()
+        dlm.full(before[r : r + 1], alone)
+        expected = dlm.block(after[r : r + 1], targets[r : r + 1, :n], write[r : r + 1, :n], alone)
+        torch.testing.assert_close(logits[r, :n], expected[0], atol=1e-5, rtol=1e-4)
+        for a, b in zip(batched.keys, alone.keys):
+            torch.testing.assert_close(a[r], b[0], atol=1e-5, rtol=1e-4)
+
+
+def test_dual_cache_rows_copy_and_refill_as_views_of_one_tensor():
+    """Expanded, the cache keeps every layer's keys and values in one tensor: a row copied, or every row refilled
+    from a one-row cache, changes each layer's keys and values as a copy per tensor would, and a block call after
+    that writes into the same storage."""
+    dlm = DiffusionModel(tiny_dlm(0))
+    x = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = dlm.new_cache()
+    dlm.full(x, cache)
+    one = [t.clone() for t in (*cache.keys, *cache.values)]
+    cache.expand(3)
+    assert cache.storage is not None and cache.storage.shape[:2] == (2 * len(cache.keys), 3)
+    for t in (*cache.keys, *cache.values):
+        t[1].normal_()  # row 1 diverges
+    expected = [t[1].clone() for t in (*cache.keys, *cache.values)]
+    cache.copy_row(2, 1)
+    assert all(torch.equal(t[2], e) for t, e in zip((*cache.keys, *cache.values), expected))
+    assert all(torch.equal(t[0], o[0]) for t, o in zip((*cache.keys, *cache.values), one))
+    other = dlm.new_cache()
+    dlm.full(x.flip(1), other)
+    cache.fill(other)
+    assert all(torch.equal(t[r], u[0]) for t, u in zip((*cache.keys, *cache.values), (*other.keys, *other.values))
+               for r in range(3))
+    window = torch.arange(4, 8).expand(3, 4)
+    dlm.block(x.expand(3, -1), window, torch.ones_like(window, dtype=torch.bool), cache)
+    assert cache.keys[0].data_ptr() == cache.storage[0].data_ptr()  # still a view: the block call wrote into it
+    assert torch.equal(cache.storage[0], cache.keys[0])
+
+
 def test_dual_cache_replaces_the_block_in_place():
     """With one layer, cached K/V depend only on their own token, so the dual cache is exact."""
     dlm = DiffusionModel(tiny_dlm(0, layers=1))

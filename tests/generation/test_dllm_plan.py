@@ -187,20 +187,21 @@ def test_plan_prices_the_forwards_each_run_made():
 
 
 def test_plan_prices_the_host_time_between_model_calls(monkeypatch):
-    """With measured step costs the plan adds each run's host time, measured in the run: here every commit (one per
-    forward) advances the fake clock by 50 ms, so a set's host time is 50 ms per forward and its expected seconds
-    are its wall-clock; with a cost table, or price_host=False, nothing is added."""
+    """With measured step costs the plan adds each run's host time, measured in the run: here the decoders' record of
+    every forward (`_book`, one per forward, between the model calls) advances the fake clock by 50 ms, so a set's
+    host time is 50 ms per forward and its expected seconds are its wall-clock; with a cost table, or
+    price_host=False, nothing is added."""
     from hf_dscale.generation import dllm
 
     model = _Clocked(DiffusionModel(tiny_dlm(seed=2)))
     model._tick = lambda tokens: setattr(model, "now", model.now + 1e-3 * tokens)
-    commit = dllm._commit
+    book = dllm._book
 
-    def slow_commit(*args, **kwargs):
+    def slow_book(*args, **kwargs):
         model.now += 0.05
-        return commit(*args, **kwargs)
+        return book(*args, **kwargs)
 
-    monkeypatch.setattr(dllm, "_commit", slow_commit)
+    monkeypatch.setattr(dllm, "_book", slow_book)
     prompts = [torch.randint(3, VOCAB, (1, 4)) for _ in range(2)]
     right = lambda i, seq: True  # noqa: E731
     plan = plan_blockbatch(model, prompts, G, (4, 8, 16), min_branches=2, clock=lambda: model.now, repeats=3,

@@ -128,6 +128,46 @@ def test_merge_equals_torch(seed):
     assert c_state.start == torch_state.start and c_state.done == torch_state.done
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_commit_then_merge_equals_torch(seed):
+    """A BlockBatch step's commit and the merge after it, which the C library makes in one call: the same rows,
+    windows, beliefs, tokens adopted and counts as torch's commit, `place` and merge. Windows of 4 and 8 often end
+    at the same position, where the merge's order keeps the branches' order."""
+    g = torch.Generator().manual_seed(seed)
+    n, length, p = int(torch.randint(2, 5, (1,), generator=g)), 20, 2
+    truth = torch.randint(3, 8, (length,), generator=g)
+    rows = truth.repeat(n, 1)
+    rows[:, p:][torch.rand(n, length - p, generator=g) < 0.6] = MASK
+    rows[torch.rand(n, length, generator=g) < 0.02] = 9  # a token another branch may disagree with
+    rows[:, :p] = truth[:p]
+    sizes = [2, 4, 8, 16][:n]
+    logits = None
+    outcomes = []
+    for kernel in (None, dllm_host):
+        state = _Branches(DiffusionModel(tiny_dlm()), rows.clone(), p, sizes, floor=0.1, kernel=kernel)
+        state.best[:] = truth
+        state.prob[:] = torch.rand(n, length, generator=torch.Generator().manual_seed(seed + 1))
+        state.snap(*range(n))
+        live = state.live()
+        w = state.windows(live)
+        if logits is None:  # mostly agreeing with the truth, so that branches agree and adopt
+            logits = _logits(g, tuple(w.targets.shape))
+            favoured = torch.rand(w.targets.shape, generator=g) < 0.6
+            logits.scatter_add_(-1, truth[w.targets][..., None], 6.0 * favoured[..., None].float())
+        scanned, merged = dllm._branch_commit(state, live, w, logits, 0.9, True, 0.5)
+        first, ends, decoded = zip(*scanned)
+        out = None
+        if all(e is None for e in ends):
+            state.place(live, first)
+            out = _merge(state, 0.5, dict(zip(live, decoded)), merged)
+        outcomes.append((state, scanned, out))
+    (torch_state, torch_scan, torch_out), (c_state, c_scan, c_out) = outcomes
+    assert c_scan == torch_scan and c_out == torch_out
+    assert torch.equal(c_state.x, torch_state.x) and torch.equal(c_state.best, torch_state.best)
+    assert torch.allclose(c_state.prob, torch_state.prob)
+    assert c_state.start == torch_state.start and c_state.done == torch_state.done
+
+
 @pytest.mark.parametrize("shift", [0, 1])
 def test_decodes_are_the_same_with_either_host(shift):
     dlm = DiffusionModel(tiny_dlm(shift, seed=5))

@@ -59,8 +59,7 @@ class DiffusionModel:
     def full(self, x: torch.Tensor, cache: DualCache | None = None) -> torch.Tensor:
         """The whole sequence [B, L] -> aligned logits [B, L, V]; refills `cache` for all positions."""
         if cache is not None:
-            cache.keys = [None] * len(cache.keys)
-            cache.values = [None] * len(cache.values)
+            cache.clear()
             logits = self.model(x, cache=cache).logits
         else:
             logits = self.model(input_ids=x).logits
