@@ -478,10 +478,11 @@ def _dllm_summary(totals: dict, n: int) -> dict:
 @torch.no_grad()
 def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_size: int = 32,
                block_sizes=None, threshold: float = 0.9, refresh_tokens: int | None | str = "plan",
-               refresh_rows: str = "plan", on_problem: Callable[[int], None] | None = None,
+               refresh_rows: str = "plan", sync_threshold: int | str = "plan", on_problem: Callable[[int], None] | None = None,
                host: str = "auto") -> dict:
     """Decode each problem with Fast-dLLM or BlockBatch (`block_sizes`, None: the paper's set; `refresh_tokens`,
-    "plan": the paper's 32; `refresh_rows`, "plan": the paper's "all"), or with both
+    "plan": the paper's 32; `refresh_rows`, "plan": the paper's "all"; `sync_threshold`, "plan": the paper's 8), or
+    with both
     (`method="both"`): NFE, accuracy (final number) and speed per method.
 
     "both" interleaves the two methods problem by problem (which goes first alternates), so that a change in the
@@ -508,6 +509,7 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
                                                      host=host),
            "blockbatch": lambda q: blockbatch_generate(timed["blockbatch"], q, gen_length, block_sizes, threshold,
                                                        refresh_tokens=refresh_tokens, refresh_rows=refresh_rows,
+                                                       sync_threshold=sync_threshold,
                                                        host=host)}
     used = "torch" if host_kernel(host, device) is None else "c"
     totals = {m: dict.fromkeys(("nfe", "full", "block", "correct", "tokens", "seconds", "queries"), 0)

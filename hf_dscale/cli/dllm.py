@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     b.add_argument("--refresh-rows", choices=("all", "leader"), default="all",
                    help="what BlockBatch's refresh runs with --block-sizes: every branch's row (the paper's, and a "
                    "planned run's) or the leader's alone, which every branch then takes")
+    b.add_argument("--sync-threshold", type=int, default=8,
+                   help="with --block-sizes: a BlockBatch branch this many tokens behind the leader copies its row "
+                   "(the paper's 8; a plan chooses its own)")
     b.add_argument("--device", default="auto")
     b.add_argument("--host", choices=("auto", "c", "torch"), default="auto",
                    help="who does the decoders' bookkeeping between model calls: auto = the C library on a CPU "
@@ -148,12 +151,13 @@ def bench_main(args) -> int:
     bar = tqdm(total=len(problems), desc=f"bench-dllm {args.method}", unit="problem")
     refresh = plan.refresh_tokens if plan is not None else args.refresh_tokens
     rows = plan.refresh_rows if plan is not None else args.refresh_rows
+    synced = plan.sync_threshold if plan is not None else args.sync_threshold
     report = bench_dllm(dlm, tokenizer, problems, args.method, gen_length, block_size=args.block_size,
                         block_sizes=block_sizes, threshold=args.threshold, refresh_tokens=refresh,
-                        refresh_rows=rows, on_problem=lambda i: bar.update(1), host=args.host)
+                        refresh_rows=rows, sync_threshold=synced, on_problem=lambda i: bar.update(1), host=args.host)
     bar.close()
     if args.method != "fast-dllm":
-        report["block_sizes"], report["refresh_tokens"], report["refresh_rows"] = block_sizes, refresh, rows
+        report.update(block_sizes=block_sizes, refresh_tokens=refresh, refresh_rows=rows, sync_threshold=synced)
     if plan is not None:
         report["plan"] = dict(plan.to_dict(), plan_seconds=round(plan_seconds, 3), plan_problems="train split",
                               min_branches=args.min_branches)
@@ -215,7 +219,8 @@ def _describe_plan(plan, seconds: float) -> str:
     if plan.baseline is not None:
         host += f" (Fast-dLLM {1e3 * plan.baseline.host_seconds:.1f} ms)"
     refresh = "no refresh" if plan.refresh_tokens is None else f"a refresh every {plan.refresh_tokens} tokens" + (
-        " of the leader's row alone" if plan.refresh_rows == "leader" else "")
+        " of the leader's row alone" if plan.refresh_rows == "leader" else "") + (
+        f", a sync of a branch {plan.sync_threshold} tokens behind the leader")
     return (f"BlockBatch plan ({seconds:.1f} s): branches {', '.join(map(str, plan.block_sizes))}, {refresh}\n"
             f"  full forward of length {plan.seq_len}: {costs}\n"
             f"  block forward of one window: {single}; of the branches' windows together ({chosen}, packed): "

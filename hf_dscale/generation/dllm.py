@@ -49,6 +49,8 @@ BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's defa
 REFRESH_TOKENS = 32  # BlockBatch's periodic refresh: the paper's interval
 REFRESH_CANDIDATES = (32, 64)  # the intervals a plan compares (the paper's ablation ran 4 to 64)
 REFRESH_ROWS = ("all", "leader")  # what a refresh runs: every branch's row (the paper's), or the leader's alone
+SYNC_THRESHOLD = 8  # a branch this many tokens behind the leader copies it: the paper's
+SYNC_CANDIDATES = (8, 4)  # the thresholds a plan compares for its chosen set (the paper's ablation ran 4 to 16)
 HOSTS = ("auto", "c", "torch")  # who does the bookkeeping between model calls (`host_kernel`)
 
 
@@ -382,12 +384,15 @@ class _Branches:
         self.place(list(rows), self.progress(list(rows))[0])
 
     def copy(self, dst: int, src: int, first: int | None) -> None:
-        """Branch dst takes src's row, beliefs and cache row; `first`: src's first mask offset."""
+        """Branch dst takes src's row, beliefs and cache row; `first`: src's first mask offset. Its cache row is
+        then as stale as src's: it takes src's progress since the last refresh too (as the reference's Dream decoder
+        copies the refresh counter), not the jump to src's row as progress of its own."""
         self.x[dst] = self.x[src]
         self.beliefs[:, dst], self.best[dst] = self.beliefs[:, src], self.best[src]
         if self.cache is not None:
             self.cache.copy_row(dst, src)
         self.place([dst], [first])
+        self.since_refresh[dst] = self.since_refresh[src]
 
 
 def _progress(region: torch.Tensor, mask_id: int) -> tuple[list, list]:
@@ -495,7 +500,8 @@ def sync(state: _Branches, threshold: int, counts: dict[int, int] | None = None)
 @torch.no_grad()
 def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: int = 256,
                         block_sizes: Sequence[int] | None = None, threshold: float = 0.9, merge_gate: float = 0.5,
-                        prob_floor: float = 0.1, sync_threshold: int = 8, refresh_tokens: int | None | str = "plan",
+                        prob_floor: float = 0.1, sync_threshold: int | str = "plan",
+                        refresh_tokens: int | None | str = "plan",
                         exchange: bool = True, stop_early: bool = True,
                         plan: BlockBatchPlan | None = None, refresh_rows: str = "plan", host: str = "auto"
                         ) -> DLLMResult:
@@ -505,7 +511,8 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
     `refresh_tokens`: the periodic refresh's interval (None: never); "plan": the plan's, else the paper's 32.
     `refresh_rows`: what a refresh runs. "all": every live branch's row (each distinct row once), the paper's;
     "leader": the leader's row alone, which every live branch then takes (as at the start), so a refresh costs one
-    row's full forward; "plan": the plan's, else "all".
+    row's full forward; "plan": the plan's, else "all". `sync_threshold`: a branch more than this many tokens behind
+    the leader copies its row; "plan": the plan's, else the paper's 8.
     `exchange=False` turns off merge and sync (each branch then decodes exactly as it would alone, if
     `refresh_tokens` is None too); `stop_early=False` runs until every branch is complete. `host`: who does the
     bookkeeping between model calls (`host_kernel`).
@@ -520,6 +527,10 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         refresh_tokens = plan.refresh_tokens if plan is not None else REFRESH_TOKENS
     if refresh_rows == "plan":
         refresh_rows = plan.refresh_rows if plan is not None else "all"
+    if sync_threshold == "plan":
+        sync_threshold = plan.sync_threshold if plan is not None else SYNC_THRESHOLD
+    if isinstance(sync_threshold, bool) or not isinstance(sync_threshold, int) or sync_threshold < 0:
+        raise ValueError(f"sync_threshold must be a number of tokens (0 or more) or 'plan', got {sync_threshold!r}.")
     if refresh_rows not in REFRESH_ROWS:
         raise ValueError(f"refresh_rows must be one of {REFRESH_ROWS} or 'plan', got {refresh_rows!r}.")
     if block_sizes is None and plan is not None:
@@ -651,10 +662,16 @@ class CandidateCost:
     refresh_tokens: int | None = REFRESH_TOKENS  # the refresh interval it ran with
     host_seconds: float = 0.0  # the time between its model calls (commits, merge, sync), measured in its runs
     refresh_rows: str = "all"  # what its refreshes ran (`blockbatch_generate`)
+    sync_threshold: int = SYNC_THRESHOLD  # how far behind the leader a branch copied it
+
+    @property
+    def key(self) -> tuple:
+        """What a decode with this set was run with: (block sizes, refresh interval, refresh rows, sync threshold)."""
+        return self.block_sizes, self.refresh_tokens, self.refresh_rows, self.sync_threshold
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
-                "refresh_rows": self.refresh_rows, "nfe": round(self.nfe, 3),
+                "refresh_rows": self.refresh_rows, "sync_threshold": self.sync_threshold, "nfe": round(self.nfe, 3),
                 "expected_seconds": round(self.expected_seconds, 6), "host_seconds": round(self.host_seconds, 6),
                 "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
                 "correct": None if self.correct is None else round(self.correct, 4)}
@@ -682,6 +699,7 @@ class BlockBatchPlan:
     baseline: CandidateCost | None = None
     refresh_tokens: int | None = REFRESH_TOKENS
     refresh_rows: str = "all"
+    sync_threshold: int = SYNC_THRESHOLD
 
     def seconds(self, kind: str, queries: Sequence[int]) -> float:
         """The priced seconds of one call of this shape (block windows in any order)."""
@@ -706,8 +724,8 @@ class BlockBatchPlan:
     def chosen(self) -> CandidateCost | None:
         """The calibration run of the chosen set (its branches, refresh interval and rows), or None where the plan
         holds no such run (one made by hand)."""
-        return next((c for c in self.candidates if (c.block_sizes, c.refresh_tokens, c.refresh_rows)
-                     == (self.block_sizes, self.refresh_tokens, self.refresh_rows)), None)
+        return next((c for c in self.candidates if c.key == (self.block_sizes, self.refresh_tokens, self.refresh_rows,
+                                                              self.sync_threshold)), None)
 
     @property
     def expected_vs_fast_dllm(self) -> float | None:
@@ -722,7 +740,8 @@ class BlockBatchPlan:
     def to_dict(self) -> dict:
         ratio = self.expected_vs_fast_dllm
         return {"block_sizes": list(self.block_sizes), "refresh_tokens": self.refresh_tokens,
-                "refresh_rows": self.refresh_rows, "gen_length": self.gen_length, "seq_len": self.seq_len,
+                "refresh_rows": self.refresh_rows, "sync_threshold": self.sync_threshold,
+                "gen_length": self.gen_length, "seq_len": self.seq_len,
                 "reason": self.reason,
                 "expected_vs_fast_dllm": None if ratio is None else round(ratio, 4),
                 "batched_vs_single": self.batched_vs_single,
@@ -737,10 +756,11 @@ class BlockBatchPlan:
         def cost(c: dict) -> CandidateCost:
             return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
                                  c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS),
-                                 c.get("host_seconds", 0.0), c.get("refresh_rows", "all"))
+                                 c.get("host_seconds", 0.0), c.get("refresh_rows", "all"),
+                                 c.get("sync_threshold", SYNC_THRESHOLD))
 
         return cls(block_sizes=tuple(d["block_sizes"]), refresh_tokens=d.get("refresh_tokens", REFRESH_TOKENS),
-                   refresh_rows=d.get("refresh_rows", "all"),
+                   refresh_rows=d.get("refresh_rows", "all"), sync_threshold=d.get("sync_threshold", SYNC_THRESHOLD),
                    gen_length=d["gen_length"], seq_len=d["seq_len"],
                    step_costs=tuple((c["kind"], tuple(c["queries"]), c["seconds"]) for c in d["step_costs"]),
                    candidates=tuple(cost(c) for c in d["candidates"]), reason=d["reason"],
@@ -829,6 +849,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     check: Callable[[int, torch.Tensor], bool] | None = None,
                     baseline_block_size: int = 32,
                     refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES,
+                    sync_candidates: Sequence[int] = SYNC_CANDIDATES,
                     price_host: bool | None = None, host: str = "auto") -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
@@ -844,10 +865,12 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     (`_choose`): the cheapest single branch; the cheapest pair, every pair tried at each of `refresh_candidates`
     (the refresh interval: a refresh is a full forward of every distinct branch row, the dearest call a run makes)
     and with each of `REFRESH_ROWS` (every branch's row, or the leader's alone); then greedily the branch whose
-    addition lowers the expected seconds most, at the pair's interval and rows. Each move is taken while fewer than
-    `min_branches` or while it saves at least `min_gain` of the seconds: a margin over the timings' noise. Within a
-    step, sets priced within `tie` of the cheapest are a tie, which the fewer forwards decide (NFE on the calibration
-    prompts is exact; a difference of a percent or two in seconds is not). A set qualifies only if at
+    addition lowers the expected seconds most, at the pair's interval and rows; then the chosen set at each sync
+    threshold of `sync_candidates` after the first (the search's). Each move is taken while fewer than
+    `min_branches`, or while it saves at least `min_gain` of the seconds (a margin over the timings' noise) or as
+    much of the forwards at a cost within `tie`. Within a step, sets priced within `tie` of the cheapest are a tie,
+    which the fewer forwards decide (NFE on the calibration prompts is exact; a difference of a percent or two in
+    seconds is not). A set qualifies only if at
     least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
     BlockBatch); when the search ends on one that does not, the plan is the reference. `agree(a, b)` says whether
     two answers to one prompt count as the same: token for token by default; where an answer may be worded freely,
@@ -891,7 +914,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     tried: dict = {}  # block sizes -> CandidateCost, in the order tried
 
     def measure(combo: tuple, refresh, decode: Callable[[DiffusionModel, torch.Tensor], DLLMResult],
-                rows: str = "all") -> CandidateCost:
+                rows: str = "all", synced: int = SYNC_THRESHOLD) -> CandidateCost:
         results, wall = [], 0.0
         timed = TimedModel(model, clock, prompts[0].device) if price_host else None  # only where host time is priced
         for q in prompts:
@@ -900,8 +923,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
             results.append(decode(model if timed is None else timed, q))
             _sync(q.device)
             wall += clock() - start
-        answers[combo, refresh, rows] = mine = [r.sequence for r in results]
-        reference = answers.get((sizes, refresh_candidates[0], "all"), mine)
+        answers[combo, refresh, rows, synced] = mine = [r.sequence for r in results]
+        reference = answers.get((sizes, refresh_candidates[0], "all", SYNC_THRESHOLD), mine)
         same = sum(bool(agree(a, b)) for a, b in zip(mine, reference))
         right = None if check is None else sum(bool(check(i, a)) for i, a in enumerate(mine)) / len(prompts)
         seconds = sum(priced[(kind, (seq_len,) * len(queries) if kind == "full" else queries)]  # full: at seq_len
@@ -909,15 +932,17 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         n = len(prompts)
         host = (wall - timed.seconds) / n if price_host else 0.0
         return CandidateCost(combo, sum(r.nfe for r in results) / n, seconds / n + host, wall / n, same / n, right,
-                             refresh, host, rows)
+                             refresh, host, rows, synced)
 
-    def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0], rows: str = "all"
-                 ) -> CandidateCost:
+    def evaluate(combo: tuple[int, ...], refresh: int | None = refresh_candidates[0], rows: str = "all",
+                 synced: int = SYNC_THRESHOLD) -> CandidateCost:
         """Decode the calibration prompts with these branches; price the forwards each run made."""
-        if (combo, refresh, rows) not in tried:
-            tried[combo, refresh, rows] = measure(combo, refresh, lambda m, q: blockbatch_generate(
-                m, q, gen_length, combo, threshold, refresh_tokens=refresh, refresh_rows=rows, host=host), rows)
-        return tried[combo, refresh, rows]
+        key = combo, refresh, rows, synced
+        if key not in tried:
+            tried[key] = measure(combo, refresh, lambda m, q: blockbatch_generate(
+                m, q, gen_length, combo, threshold, refresh_tokens=refresh, refresh_rows=rows, sync_threshold=synced,
+                host=host), rows, synced)
+        return tried[key]
 
     reference = evaluate(sizes)  # first: the others' agreement is with its answers
     baseline = None
@@ -936,7 +961,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
 
         def shortfall(c: CandidateCost) -> str:
             return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
-    chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, tie, qualifies, shortfall)
+    chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, tie, qualifies, shortfall,
+                            sync_candidates)
     steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
                  f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
                  f"(NFE {reference.nfe:.2f})")
@@ -949,16 +975,20 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     return BlockBatchPlan(block_sizes=chosen.block_sizes, gen_length=gen_length, seq_len=seq_len,
                           step_costs=tuple((*shape, priced[shape]) for shape in sorted(priced, key=_shape_order)),
                           candidates=tuple(tried.values()), reason="; ".join(steps), baseline=baseline,
-                          refresh_tokens=chosen.refresh_tokens, refresh_rows=chosen.refresh_rows)
+                          refresh_tokens=chosen.refresh_tokens, refresh_rows=chosen.refresh_rows,
+                          sync_threshold=chosen.sync_threshold)
 
 
 def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refreshes: Sequence[int | None],
             min_branches: int, min_gain: float, tie: float, qualifies: Callable[[CandidateCost], bool],
-            shortfall: Callable[[CandidateCost], str]) -> tuple[CandidateCost, list[str]]:
+            shortfall: Callable[[CandidateCost], str], syncs: Sequence[int] = (SYNC_THRESHOLD,)
+            ) -> tuple[CandidateCost, list[str]]:
     """The decision (see `plan_blockbatch`): the cheapest single branch; the cheapest pair, every pair at every
     refresh interval in `refreshes` and with each of `REFRESH_ROWS`; then greedy forward selection at the pair's
     interval and rows, by expected seconds (within `tie` of the cheapest: by NFE), among the sets that `qualifies`
-    (`shortfall` says why one does not). `evaluate(block_sizes, refresh, rows)`. Returns the chosen set and the steps
+    (`shortfall` says why one does not); a move is taken where it saves `min_gain` of the seconds, or as much of the
+    forwards at a cost within `tie`; at last the chosen set at each sync threshold of `syncs` after the first (the
+    search's), by the same rule. `evaluate(block_sizes, refresh, rows, sync)`. Returns the chosen set and the steps
     that led to it, in words."""
 
     seen: list[CandidateCost] = []
@@ -980,11 +1010,15 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
             ext = best([evaluate(tuple(sorted(current.block_sizes + (b,))), current.refresh_tokens,
                                  current.refresh_rows) for b in sizes if b not in current.block_sizes])
         gain = 1 - ext.expected_seconds / current.expected_seconds if current.expected_seconds > 0 else 0.0
+        fewer = 1 - ext.nfe / current.nfe if current.nfe > 0 else 0.0
         move = f"-> {_name(ext)} {ext.expected_seconds * 1e3:.2f} ms"
         if len(current.block_sizes) < min_branches:
             steps.append(f"{move}: needed for {min_branches} branches")
         elif qualifies(ext) and gain >= min_gain:
             steps.append(f"{move}: saves {100 * gain:.1f}%")
+        elif qualifies(ext) and gain >= -tie and fewer >= min_gain:
+            steps.append(f"{move}: {100 * fewer:.1f}% fewer forwards at " + (
+                f"{100 * -gain:.1f}% more time (within the tie)" if gain < 0 else f"{100 * gain:.1f}% less time"))
         else:
             why = (shortfall(ext) if not qualifies(ext)
                    else f"saves {100 * gain:.1f}% < {100 * min_gain:.0f}%" if gain >= 0
@@ -1003,6 +1037,13 @@ def _choose(evaluate: Callable[..., CandidateCost], sizes: tuple[int, ...], refr
         else:
             steps.append(f"{_name(current)} {shortfall(current)}: the reference set")
             current = evaluate(sizes)
+    if len(syncs) > 1 and len(current.block_sizes) > 1:
+        variants = [evaluate(current.block_sizes, current.refresh_tokens, current.refresh_rows, t) for t in syncs[1:]]
+        pick = best([current, *variants])
+        if pick is not current:
+            steps.append(f"-> {_name(pick)} {pick.expected_seconds * 1e3:.2f} ms: a sync threshold of "
+                         f"{pick.sync_threshold} tokens, NFE {pick.nfe:.2f} against {current.nfe:.2f}")
+            current = pick
     return current, steps
 
 
@@ -1012,6 +1053,8 @@ def _shape_order(shape: Shape) -> tuple:
 
 
 def _name(c: CandidateCost) -> str:
-    """e.g. {16,32}/r64: branches 16 and 32, a refresh every 64 tokens."""
+    """e.g. {16,32}/r64/leader/s4: branches 16 and 32, a refresh of the leader's row every 64 tokens, a sync of a
+    branch 4 tokens behind (the sync threshold is left out where it is the paper's 8)."""
     return "{" + ",".join(map(str, c.block_sizes)) + "}" + f"/r{c.refresh_tokens}" + (
-        "/leader" if c.refresh_rows == "leader" else "")
+        "/leader" if c.refresh_rows == "leader" else "") + (
+        f"/s{c.sync_threshold}" if c.sync_threshold != SYNC_THRESHOLD else "")

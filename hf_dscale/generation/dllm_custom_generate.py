@@ -19,12 +19,13 @@ METHODS = ("fast-dllm", "blockbatch")
 def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_method: str = "fast-dllm",
              mask_token_id: int | None = None, dllm_stats: list | None = None, block_size: int = 32,
              block_sizes=None, blockbatch_plan=None, refresh_tokens="plan", refresh_rows="plan",
-             threshold: float = 0.9, dllm_host: str = "auto", **model_kwargs):
+             sync_threshold="plan", threshold: float = 0.9, dllm_host: str = "auto", **model_kwargs):
     """Args: dllm_method; block_size (Fast-dLLM); block_sizes (BlockBatch; default the paper's 4 to 128) or
     blockbatch_plan (a `BlockBatchPlan` from `plan_blockbatch`: branches and refresh interval chosen by measured step
     costs; explicit block_sizes win); refresh_tokens (BlockBatch's refresh interval, None: never; "plan": the plan's,
     else 32); refresh_rows (what a refresh runs: "all" branches' rows, the paper's, or the "leader"'s alone; "plan":
-    the plan's, else "all"); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts);
+    the plan's, else "all"); sync_threshold (a branch this many tokens behind the leader copies it; "plan": the
+    plan's, else 8); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts);
     dllm_host: who does the bookkeeping between model calls ("auto": the C library on a CPU, see
     `generation.dllm.host_kernel`; "c"; "torch")."""
     if dllm_method not in METHODS:
@@ -44,6 +45,7 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
         else:
             result = blockbatch_generate(dlm, prompt, gen_length, block_sizes, threshold,
                                          refresh_tokens=refresh_tokens, refresh_rows=refresh_rows,
+                                         sync_threshold=sync_threshold,
                                          plan=blockbatch_plan, host=dllm_host)
         answers.append(result.sequence[prompt.shape[1] :])
         if dllm_stats is not None:

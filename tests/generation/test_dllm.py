@@ -366,10 +366,12 @@ def test_sync_copies_the_leader_row_and_cache_and_keeps_its_grid():
     state = _state([[3, 4] + [5] * 12 + [m] * 2,
                     [3, 4, 5] + [m] * 13], sizes=[4, 8])
     state.cache.keys[0][0, :, 5] += 1.0  # make the leader's cache row recognisable
+    state.since_refresh = [5, 0]  # the leader's row has advanced 5 tokens since the last refresh
     assert sync(state, threshold=8) == 1
     assert torch.equal(state.x[1], state.x[0])
     assert torch.equal(state.cache.keys[0][1], state.cache.keys[0][0])
     assert state.start[1] == 2 + 8  # its own 8-grid at the first mask (position 14 -> block [10, 18))
+    assert state.since_refresh[1] == 5  # its cache row is the leader's: as stale, not 8 tokens staler
     assert sync(state, threshold=8) == 0
 
 

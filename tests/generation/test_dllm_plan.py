@@ -358,7 +358,8 @@ def test_bench_both_reports_the_two_methods_side_by_side(host):
 
 def test_candidate_costs_serialise():
     c = CandidateCost((4, 8), 2.5, 0.01, 0.012, 1.0)
-    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "refresh_rows": "all", "nfe": 2.5,
+    assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "refresh_rows": "all", "sync_threshold": 8,
+                           "nfe": 2.5,
                            "expected_seconds": 0.01, "host_seconds": 0.0, "measured_seconds": 0.012,
                            "agreement": 1.0, "correct": None}
 
@@ -401,3 +402,55 @@ def test_a_tie_in_seconds_goes_to_the_fewer_forwards():
 
     assert choose(0.02) == (2, 8)
     assert choose(0.0) == (2, 4)
+
+
+def test_a_branch_that_saves_forwards_at_a_tied_cost_is_added():
+    """The greedy search adds a branch that saves `min_gain` of the seconds, or as much of the forwards at a cost
+    within `tie`: more time than that, or fewer forwards saved, and it stops."""
+    def choose(triple_seconds, triple_nfe):
+        priced = {(2, 4): (1.00, 10.0), (2, 4, 8): (triple_seconds, triple_nfe)}
+
+        def evaluate(combo, refresh=32, rows="all"):
+            seconds, nfe = priced.get(combo, (2.0, 12.0) if len(combo) > 1 else (1.5, 16.0))
+            return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh, refresh_rows=rows)
+
+        chosen, steps = _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, 0.02, lambda c: True, lambda c: "")
+        return chosen.block_sizes, steps[-1]
+
+    sizes, step = choose(1.015, 8.0)  # 20% fewer forwards at 1.5% more time
+    assert sizes == (2, 4, 8) and "20.0% fewer forwards at 1.5% more time" in step
+    assert choose(1.03, 8.0)[0] == (2, 4)  # 3% more time: beyond the tie
+    assert choose(1.01, 9.8)[0] == (2, 4)  # 2% fewer forwards: not enough
+
+
+def test_the_plan_tries_the_sync_thresholds_and_decoding_uses_its_choice():
+    """After the search the chosen set runs at each other sync threshold; the cheaper (within the tie: the fewer
+    forwards) is kept, and the plan's threshold is what decoding with the plan runs and what its JSON keeps."""
+    def evaluate(combo, refresh=32, rows="all", synced=8):
+        seconds, nfe = (1.0, 10.0) if len(combo) == 2 else (2.0, 12.0) if len(combo) > 2 else (1.5, 16.0)
+        if synced == 4 and len(combo) == 2:
+            nfe -= 1.0  # the same time, fewer forwards
+        return CandidateCost(combo, nfe, seconds, seconds, 1.0, None, refresh, refresh_rows=rows,
+                             sync_threshold=synced)
+
+    chosen, steps = _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, 0.02, lambda c: True, lambda c: "", (8, 4))
+    assert chosen.sync_threshold == 4 and "a sync threshold of 4 tokens" in steps[-1]
+    assert _choose(evaluate, (2, 4, 8), (32,), 2, 0.05, 0.02, lambda c: True, lambda c: "")[0].sync_threshold == 8
+
+    dlm = DiffusionModel(tiny_dlm(seed=3))
+    prompt = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
+    plan = plan_blockbatch(dlm, [prompt], G, (2, 4, 8), min_branches=2, refresh_candidates=(4,),
+                           sync_candidates=(8, 0), step_seconds=lambda kind, queries: 1.0, agree=lambda a, b: True)
+    tried = {c.sync_threshold for c in plan.candidates if c.block_sizes == plan.block_sizes}
+    assert tried == {8, 0} and plan.chosen is not None and plan.chosen.sync_threshold == plan.sync_threshold
+    by_hand = blockbatch_generate(dlm, prompt, G, plan.block_sizes, refresh_tokens=plan.refresh_tokens,
+                                  refresh_rows=plan.refresh_rows, sync_threshold=plan.sync_threshold)
+    assert blockbatch_generate(dlm, prompt, G, plan=plan).forwards == by_hand.forwards
+    again = BlockBatchPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.sync_threshold == plan.sync_threshold and again.chosen.key == plan.chosen.key
+
+
+def test_a_bad_sync_threshold_is_refused():
+    prompt = torch.randint(3, VOCAB, (1, 4))
+    with pytest.raises(ValueError, match="sync_threshold"):
+        blockbatch_generate(DiffusionModel(tiny_dlm()), prompt, G, (2, 4), sync_threshold=-1)
