@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    "into the report)")
     b.add_argument("--plan-prompts", type=int, default=16,
                    help="training-split problems the plan decodes to price each branch set (never the held-out ones)")
+    b.add_argument("--plan-check-prompts", type=int, default=64,
+                   help="more training-split problems the plan's chosen set must answer as well as Fast-dLLM "
+                   "(sixteen judge accuracy poorly); 0: none")
     b.add_argument("--min-branches", type=int, default=2,
                    help="the fewest branches the plan keeps (1 lets it fall back to one block size: Fast-dLLM)")
     b.add_argument("--threshold", type=float, default=0.9)
@@ -191,8 +194,10 @@ def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
     from ..training.dllm_tasks import final_answer, make_problems
     from ..training.dllm_trainer import encode
 
-    # never more calibration problems than the bench decodes: the plan should cost less than what it plans
-    calibration = make_problems(task, min(args.plan_prompts, args.limit), seed=args.seed, heldout=False)
+    # never more calibration problems than the bench decodes: the plan should cost less than what it plans; the
+    # validation problems follow them in the same draw
+    n = min(args.plan_prompts, args.limit)
+    calibration = make_problems(task, n + max(0, args.plan_check_prompts), seed=args.seed, heldout=False)
     prompts = [encode(tokenizer, [p], gen_length, with_answers=False)[0] for p in calibration]
     candidates = [b for b in BLOCK_SIZES if gen_length % b == 0]
 
@@ -205,9 +210,9 @@ def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
     def right(i: int, sequence) -> bool:  # calibration problems come with their answers: sets must do as Fast-dLLM
         return answer(sequence) == calibration[i].answer
 
-    return plan_blockbatch(dlm, prompts, gen_length, candidates, device, threshold=args.threshold,
+    return plan_blockbatch(dlm, prompts[:n], gen_length, candidates, device, threshold=args.threshold,
                            min_branches=min(args.min_branches, len(candidates)), agree=same_answer, check=right,
-                           baseline_block_size=args.block_size, host=args.host)
+                           baseline_block_size=args.block_size, host=args.host, validation=prompts[n:])
 
 
 def _describe_plan(plan, seconds: float) -> str:

@@ -34,6 +34,7 @@ elsewhere, or with `host="torch"`, torch does (`host_kernel`). The decodes are t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -663,6 +664,7 @@ class CandidateCost:
     host_seconds: float = 0.0  # the time between its model calls (commits, merge, sync), measured in its runs
     refresh_rows: str = "all"  # what its refreshes ran (`blockbatch_generate`)
     sync_threshold: int = SYNC_THRESHOLD  # how far behind the leader a branch copied it
+    validated: float | None = None  # fraction answered right on the plan's validation prompts, where it ran them
 
     @property
     def key(self) -> tuple:
@@ -674,7 +676,8 @@ class CandidateCost:
                 "refresh_rows": self.refresh_rows, "sync_threshold": self.sync_threshold, "nfe": round(self.nfe, 3),
                 "expected_seconds": round(self.expected_seconds, 6), "host_seconds": round(self.host_seconds, 6),
                 "measured_seconds": round(self.measured_seconds, 6), "agreement": round(self.agreement, 4),
-                "correct": None if self.correct is None else round(self.correct, 4)}
+                "correct": None if self.correct is None else round(self.correct, 4),
+                "validated": None if self.validated is None else round(self.validated, 4)}
 
 
 Shape = tuple[str, tuple[int, ...]]  # a model call: ("full" | "block", queries of each row), block rows widest first
@@ -757,7 +760,7 @@ class BlockBatchPlan:
             return CandidateCost(tuple(c["block_sizes"]), c["nfe"], c["expected_seconds"], c["measured_seconds"],
                                  c["agreement"], c.get("correct"), c.get("refresh_tokens", REFRESH_TOKENS),
                                  c.get("host_seconds", 0.0), c.get("refresh_rows", "all"),
-                                 c.get("sync_threshold", SYNC_THRESHOLD))
+                                 c.get("sync_threshold", SYNC_THRESHOLD), c.get("validated"))
 
         return cls(block_sizes=tuple(d["block_sizes"]), refresh_tokens=d.get("refresh_tokens", REFRESH_TOKENS),
                    refresh_rows=d.get("refresh_rows", "all"), sync_threshold=d.get("sync_threshold", SYNC_THRESHOLD),
@@ -850,7 +853,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
                     baseline_block_size: int = 32,
                     refresh_candidates: Sequence[int | None] = REFRESH_CANDIDATES,
                     sync_candidates: Sequence[int] = SYNC_CANDIDATES,
-                    price_host: bool | None = None, host: str = "auto") -> BlockBatchPlan:
+                    price_host: bool | None = None, host: str = "auto",
+                    validation: Sequence[torch.Tensor] = (), max_validations: int = 4) -> BlockBatchPlan:
     """Choose BlockBatch's branches by expected wall-clock, from measured step costs.
 
     NFE counts a batched forward once, but where compute bounds a step (a CPU; a GPU at large batch) a forward of r
@@ -881,6 +885,13 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     commits far-ahead tokens the model is confident of, and on a freely worded task those can be wrong: the check
     keeps such sets out. `device` moves the prompts; `clock` and `repeats` time; `host`: who does the decodes'
     bookkeeping between model calls (`host_kernel`), as the decodes it plans for will.
+
+    Sixteen prompts price sets well and judge their accuracy poorly: a set a few points less accurate than Fast-dLLM
+    often answers all sixteen as well. With `validation` prompts (more of them, known answers: `check(i, sequence)`
+    takes i = len(prompts) + j for validation prompt j) the chosen set must also answer at least as many of those
+    right as Fast-dLLM; where it does not, the next qualifying set by expected seconds is validated, up to
+    `max_validations` sets, and where none does, the one that answered the most right. Each validated set's share
+    right is its `validated`, Fast-dLLM's the baseline's.
 
     `min_branches=1` lets the plan fall to one branch, which is Fast-dLLM with that block size, not BlockBatch.
 
@@ -963,6 +974,34 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
             return f"answers {100 * c.correct:.0f}% right, Fast-dLLM {100 * baseline.correct:.0f}%"
     chosen, steps = _choose(evaluate, sizes, refresh_candidates, min_branches, min_gain, tie, qualifies, shortfall,
                             sync_candidates)
+    if validation and check is not None:
+        offset = len(prompts)
+        validation = [q.to(device) if device is not None else q for q in validation]
+
+        def right_on_validation(decode: Callable[[torch.Tensor], DLLMResult]) -> float:
+            return sum(bool(check(offset + j, decode(q).sequence)) for j, q in enumerate(validation)) / len(validation)
+
+        baseline = dataclasses.replace(baseline, validated=right_on_validation(lambda q: fast_dllm_generate(
+            model, q, gen_length, baseline_block_size, threshold, host=host)))
+        pool = [c for c in tried.values() if qualifies(c) and len(c.block_sizes) >= min_branches]
+        order = [chosen] + sorted((c for c in pool if c.key != chosen.key), key=lambda c: (c.expected_seconds, c.nfe))
+        checked = []
+        for c in order[:max_validations]:
+            c = tried[c.key] = dataclasses.replace(c, validated=right_on_validation(
+                lambda q, c=c: blockbatch_generate(model, q, gen_length, c.block_sizes, threshold,
+                                                   refresh_tokens=c.refresh_tokens, refresh_rows=c.refresh_rows,
+                                                   sync_threshold=c.sync_threshold, host=host)))
+            checked.append(c)
+            if c.validated >= baseline.validated:
+                break
+        pick = next((c for c in checked if c.validated >= baseline.validated), None)
+        n = len(validation)
+        said = ", ".join(f"{_name(c)} {round(c.validated * n)}" for c in checked)
+        if pick is None:
+            pick = max(checked, key=lambda c: (c.validated, -c.expected_seconds))
+        steps.append(f"validated on {n} more prompts (right: {said}; Fast-dLLM {round(baseline.validated * n)}): "
+                     + (f"kept {_name(pick)}" if pick.key == chosen.key else f"took {_name(pick)}"))
+        chosen = pick
     steps.append(f"chose {_name(chosen)}: {chosen.expected_seconds * 1e3:.2f} ms expected per answer (NFE "
                  f"{chosen.nfe:.2f}) vs {reference.expected_seconds * 1e3:.2f} ms for all of {_name(reference)} "
                  f"(NFE {reference.nfe:.2f})")

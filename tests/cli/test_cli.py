@@ -385,20 +385,25 @@ def test_train_dllm_then_bench_both_methods(tmp_path, capsys):
         report_path = tmp_path / f"{method}.json"
         dtype = ["--dtype", "bfloat16"] if method == "fast-dllm" else []
         assert main(["bench-dllm", "--model", str(out), "--method", method, "--seed", "5", "--limit", "2",
-                     "--json", str(report_path), *dtype]) == 0
+                     "--plan-check-prompts", "2", "--json", str(report_path), *dtype]) == 0
         report = json.loads(report_path.read_text())
         assert report["dtype"] == ("torch.bfloat16" if dtype else "torch.float32")
         for key in ("method", "n_prompts", "nfe", "accuracy", "tokens_per_s"):
             assert key in report
         assert report["method"] == method and report["n_prompts"] == 2 and report["nfe"] >= 1
         assert report["machine"]["transformers"] == transformers.__version__
-        if method == "blockbatch":  # the plan's branches and refresh interval are the ones decoded with
+        if method == "blockbatch":  # the plan's branches, refresh and sync are the ones decoded with
             assert report["refresh_tokens"] == report["plan"]["refresh_tokens"] in (32, 64)
             assert report["block_sizes"] == report["plan"]["block_sizes"]
+            assert report["sync_threshold"] == report["plan"]["sync_threshold"] in (8, 4)
+            assert "validated on 2 more prompts" in report["plan"]["reason"]
+            assert report["plan"]["baseline"]["validated"] is not None
     assert main(["bench-dllm", "--model", str(out), "--method", "blockbatch", "--block-sizes", "16,64",
-                 "--refresh-tokens", "64", "--seed", "5", "--limit", "1", "--json", str(tmp_path / "set.json")]) == 0
+                 "--refresh-tokens", "64", "--sync-threshold", "4", "--seed", "5", "--limit", "1", "--json",
+                 str(tmp_path / "set.json")]) == 0
     report = json.loads((tmp_path / "set.json").read_text())
     assert report["block_sizes"] == [16, 64] and report["refresh_tokens"] == 64 and "plan" not in report
+    assert report["sync_threshold"] == 4
     assert main(["card", "--drafter", str(out), "--bench", f"a={tmp_path / 'fast-dllm.json'}",
                  f"b={tmp_path / 'blockbatch.json'}", "--training", "steps=3"]) == 0
     card = (out / "README.md").read_text()

@@ -15,6 +15,7 @@ from hf_dscale.generation.dllm import (
     _choose,
     _write_distinct,
     blockbatch_generate,
+    fast_dllm_generate,
     measure_step_costs,
     plan_blockbatch,
 )
@@ -361,7 +362,7 @@ def test_candidate_costs_serialise():
     assert c.to_dict() == {"block_sizes": [4, 8], "refresh_tokens": 32, "refresh_rows": "all", "sync_threshold": 8,
                            "nfe": 2.5,
                            "expected_seconds": 0.01, "host_seconds": 0.0, "measured_seconds": 0.012,
-                           "agreement": 1.0, "correct": None}
+                           "agreement": 1.0, "correct": None, "validated": None}
 
 
 def test_plan_chooses_the_refresh_interval_and_decoding_uses_it():
@@ -454,3 +455,39 @@ def test_a_bad_sync_threshold_is_refused():
     prompt = torch.randint(3, VOCAB, (1, 4))
     with pytest.raises(ValueError, match="sync_threshold"):
         blockbatch_generate(DiffusionModel(tiny_dlm()), prompt, G, (2, 4), sync_threshold=-1)
+
+
+def test_the_chosen_set_must_also_answer_the_validation_prompts_as_well_as_fast_dllm():
+    """With validation prompts the chosen set is decoded on them too: kept where it answers as many right as
+    Fast-dLLM; otherwise the next sets by expected seconds are tried, up to max_validations, and where none does as
+    well, the one that answered the most right is taken."""
+    dlm = DiffusionModel(tiny_dlm(seed=4))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (1, 4), generator=gen) for _ in range(2)]
+    validation = [torch.randint(3, VOCAB, (1, 4), generator=gen) for _ in range(3)]
+    fast = [fast_dllm_generate(dlm, q, G, 8, 0.9).sequence for q in validation]
+    per_row = lambda kind, queries: float(len(queries))  # noqa: E731
+
+    def plan_with(check, max_validations=3):
+        return plan_blockbatch(dlm, prompts, G, (2, 4, 8), min_branches=2, refresh_candidates=(8,),
+                               step_seconds=per_row,
+                               check=check, baseline_block_size=8, validation=validation,
+                               max_validations=max_validations)
+
+    everything_right = plan_with(lambda i, seq: True)
+    first = min((c for c in everything_right.candidates if len(c.block_sizes) >= 2 and c.validated is not None),
+                key=lambda c: c.expected_seconds)
+    assert everything_right.baseline.validated == 1.0 and everything_right.chosen.validated == 1.0
+    assert [c for c in everything_right.candidates if c.validated is not None] == [everything_right.chosen]
+    assert "kept" in everything_right.reason and first.key == everything_right.chosen.key
+
+    # right on a validation prompt only where the answer is Fast-dLLM's own: the sets that answer otherwise fail
+    like_fast = plan_with(lambda i, seq: i < len(prompts) or torch.equal(seq, fast[i - len(prompts)]))
+    checked = [c for c in like_fast.candidates if c.validated is not None]
+    assert 1 <= len(checked) <= 3 and like_fast.baseline.validated == 1.0
+    assert "validated on 3 more prompts" in like_fast.reason
+    passing = [c for c in checked if c.validated == 1.0]
+    if passing:
+        assert like_fast.chosen.key == passing[0].key and len(passing) == 1  # the search stops at the first
+    else:
+        assert len(checked) == 3 and like_fast.chosen.validated == max(c.validated for c in checked)
