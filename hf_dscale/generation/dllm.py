@@ -725,8 +725,8 @@ class BlockBatchPlan:
 
     @property
     def chosen(self) -> CandidateCost | None:
-        """The calibration run of the chosen set (its branches, refresh interval and rows), or None where the plan
-        holds no such run (one made by hand)."""
+        """The calibration run of the chosen set (its branches, refresh interval and rows, sync threshold), or None
+        where the plan holds no such run (one made by hand)."""
         return next((c for c in self.candidates if c.key == (self.block_sizes, self.refresh_tokens, self.refresh_rows,
                                                               self.sync_threshold)), None)
 
@@ -874,9 +874,9 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
     `min_branches`, or while it saves at least `min_gain` of the seconds (a margin over the timings' noise) or as
     much of the forwards at a cost within `tie`. Within a step, sets priced within `tie` of the cheapest are a tie,
     which the fewer forwards decide (NFE on the calibration prompts is exact; a difference of a percent or two in
-    seconds is not). A set qualifies only if at
-    least `min_agreement` of its answers agree with those of the reference set (all candidate sizes: the paper's
-    BlockBatch); when the search ends on one that does not, the plan is the reference. `agree(a, b)` says whether
+    seconds is not). A set qualifies only if at least `min_agreement` of its answers agree with those of the
+    reference set (all candidate sizes: the paper's BlockBatch); when the search ends on one that does not, the plan
+    is the reference. `agree(a, b)` says whether
     two answers to one prompt count as the same: token for token by default; where an answer may be worded freely,
     pass one that compares what is checked. Where the calibration prompts have known answers, pass `check(i,
     sequence)` (is the answer to prompt i right?) instead: a set then qualifies when it answers at least as many
@@ -905,6 +905,8 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
         raise ValueError("plan_blockbatch needs calibration prompts (a few, drawn apart from the evaluation set).")
     if not 1 <= min_branches <= len(sizes):
         raise ValueError(f"min_branches must be between 1 and the {len(sizes)} candidate sizes, got {min_branches}.")
+    if validation and check is None:
+        raise ValueError("Validation prompts are judged by their answers: pass check= with them.")
     if check is not None and gen_length % baseline_block_size:
         raise ValueError(f"gen_length {gen_length} must be a multiple of baseline_block_size {baseline_block_size}.")
     prompts = [q.to(device) if device is not None else q for q in prompts]

@@ -474,6 +474,8 @@ def test_the_chosen_set_must_also_answer_the_validation_prompts_as_well_as_fast_
                                check=check, baseline_block_size=8, validation=validation,
                                max_validations=max_validations)
 
+    with pytest.raises(ValueError, match="check="):  # validation is by the answers
+        plan_blockbatch(dlm, prompts, G, (2, 4, 8), step_seconds=per_row, validation=validation)
     everything_right = plan_with(lambda i, seq: True)
     first = min((c for c in everything_right.candidates if len(c.block_sizes) >= 2 and c.validated is not None),
                 key=lambda c: c.expected_seconds)
