@@ -90,11 +90,7 @@ def commit_merge(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, val
     out = (ctypes.c_int64 * (4 * r))()  # adopted [R], then the scan [R, 3]
     n = _library().hf_dscale_dllm_commit_merge(*args, i64s(*sizes), start, prob.data_ptr(), best.data_ptr(), gate,
                                                out, ctypes.byref(out, 8 * r))
-    if n <= 0:
-        return _scanned(scanned), None
-    values = list(out)
-    merged = [tuple(values[k : k + 3]) for k in range(r, r + 3 * n, 3)]
-    return _scanned(scanned), (values[:n], [(None if f < 0 else f, None, d) for f, _, d in merged])
+    return _scanned(scanned), (_adopted_and_scan(out, r, n) if n > 0 else None)
 
 
 def _commit_args(x, rows, targets, valid, logits, mask_id, eos_id, threshold, beliefs, prompt_len) -> tuple:
@@ -165,6 +161,11 @@ def merge(x: torch.Tensor, rows: list[int], after: torch.Tensor, starts: list[in
     _library().hf_dscale_dllm_merge(x.data_ptr(), x.shape[1], r, i64s(*rows), after.contiguous().data_ptr(),
                                     i64s(*starts), i64s(*sizes), prob.data_ptr(), best.data_ptr(), gate, mask_id, out,
                                     prompt_len, ctypes.byref(out, 8 * r))
+    return _adopted_and_scan(out, r, r)
+
+
+def _adopted_and_scan(out, r: int, n: int) -> tuple[list[int], list[tuple]]:
+    """A merge's output buffer (adopted [R], then the scan [R, 3]) read for its first n branches."""
     values = list(out)
-    scanned = [tuple(values[k : k + 3]) for k in range(r, 4 * r, 3)]
-    return values[:r], [(None if f < 0 else f, None if e < 0 else e, n) for f, e, n in scanned]
+    return values[:n], [(None if f < 0 else f, None if e < 0 else e, d)
+                        for f, e, d in (values[k : k + 3] for k in range(r, r + 3 * n, 3))]
