@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from hf_dscale import DScaleConfig, DScaleDrafter
+from hf_dscale.sweep import OracleDrafter, oracle_from, restrict  # noqa: F401 (the tests' oracle, shipped with the sweep)
 from hf_dscale.generation import target_forward
 from hf_dscale.models.dscale import assistant
 
@@ -155,46 +156,6 @@ def unevenly_padded(batch: int, length: int = 12, seed: int = 7) -> tuple[torch.
     for b in range(1, batch):
         mask[b, : 2 * b] = 0
     return ids, mask
-
-
-class OracleDrafter(DScaleDrafter):
-    """Proposes `oracle[b][position]` with probability 1 - error_rate, else a random token."""
-
-    oracle: list[list[int]] | None = None
-    error_rate: float = 0.2
-    boost: float = 30.0  # logit added to the proposed token: 30 = a near one-hot q, a few units = a smooth one
-
-    def draft_logits(self, anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid=None,
-                     vocab=None, compact=False):
-        real = super().draft_logits(anchor_ids, taps, anchor_positions, context_position_ids, cache, context_valid,
-                                    vocab)
-        logits = torch.randn_like(real)
-        for b in range(real.shape[0]):
-            seq = self.oracle[b if len(self.oracle) > 1 else 0]
-            for k in range(real.shape[1]):
-                pos = int(anchor_positions[b]) + 1 + k
-                token = seq[pos] if pos < len(seq) else 0
-                if torch.rand(()) < self.error_rate:
-                    token = int(torch.randint(0, real.shape[-1], ()))
-                logits[b, k, token] += self.boost
-        return restrict(logits, vocab, compact)
-
-
-def restrict(logits: torch.Tensor, vocab, compact: bool = False) -> torch.Tensor:
-    """A proposal confined to a `DraftVocab` (None: the whole vocabulary), as the real drafter's is; `compact`
-    keeps only the vocabulary's columns, in its order, as `DScaleDrafter.block_logits(compact=True)` does."""
-    if vocab is None:
-        return logits
-    return logits[..., vocab.ids] if compact else logits.masked_fill(~vocab.member, float("-inf"))
-
-
-def oracle_from(sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
-    """Per row, the tokens of reference outputs with left padding removed: index = position id."""
-    if attention_mask is None:
-        return sequences.tolist()
-    grown = sequences.shape[1] - attention_mask.shape[1]
-    keep = torch.cat((attention_mask.bool(), attention_mask.new_ones(sequences.shape[0], grown).bool()), dim=1)
-    return [sequences[b][keep[b]].tolist() for b in range(sequences.shape[0])]
 
 
 @pytest.fixture(params=["llama", "qwen3"])

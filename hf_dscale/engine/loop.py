@@ -66,7 +66,8 @@ class Engine:
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
         layer_ids = tap_ids(drafter, vp_drafter)
         self.forward, self.cut = plan.forward(target, layer_ids), plan.cut()
-        self.attention = TargetAttention.of(target)
+        self.attention = TargetAttention.of(target)  # what a decoded token sees
+        self.prefill_attention = TargetAttention.of(target, prefill=True)  # what the prompt sees
         # A compiled verify (the plan's choice) needs fixed shapes: a cache of `capacity` columns, taps returned
         self.static = plan.static_verify(target, drafter, layer_ids) if capacity else None
         if self.static is not None:
@@ -107,13 +108,14 @@ class Engine:
         positions = column_positions(valid)
         causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool, device=valid.device).tril()
         if self.static is not None:
-            mask = self.static_mask(valid[:, None, :] & causal, positions, 0)
+            mask = self.static_mask(valid[:, None, :] & causal, positions, 0, prefill=True)
             out, self._taps = self.static.prefill(input_ids, positions, mask, self.cache)
             logits = out[:, -1].float()  # [B, V]
         else:
             mask = valid.long()
-            if self.attention.sliding:
-                mask = self.attention.masks(valid[:, None, :] & causal, positions, positions, self.target.dtype)
+            if self.prefill_attention.sliding:
+                mask = self.prefill_attention.masks(valid[:, None, :] & causal, positions, positions,
+                                                    self.target.dtype)
             out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                               use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
             logits = out.logits[:, -1].float()  # [B, V]
@@ -261,7 +263,7 @@ class Engine:
             return self._taps
         return self.forward.taps if self.forward.taps is not None else self.recorder.taps()
 
-    def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int):
+    def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int, prefill: bool = False):
         """A compiled forward's mask: queries at `positions` [B, Q], written at columns start..start+Q, that see the
         valid cache columns before `start` and the new ones `allowed` [B, Q, Q] lets them; every other column of the
         cache's capacity is hidden. Sets the columns the forward writes."""
@@ -279,7 +281,8 @@ class Engine:
             key_pos[:, :start] = column_positions(self.valid)
         self.cache.columns.write = torch.arange(start, start + q, device=positions.device)
         self.cache.columns.length = start + q
-        return self.attention.masks(seen, positions, key_pos, self.target.dtype)
+        attention = self.prefill_attention if prefill else self.attention
+        return attention.masks(seen, positions, key_pos, self.target.dtype)
 
     def verify(self, verify: Verify) -> torch.Tensor:
         """The target's logits [B, N, V] after every node of every row's tree."""
@@ -386,7 +389,16 @@ class Engine:
             self.vp_cache.select_rows(index)
 
 
-def _check_inputs(drafter, vp_drafter, input_ids, streamer, cache) -> None:
+def _check_inputs(drafter, vp_drafter, input_ids, attention_mask, streamer, cache) -> None:
+    if attention_mask is not None and attention_mask.shape[1] > 1:
+        mask = attention_mask.bool()
+        right = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)
+        if bool(right.any()):
+            rows = right.nonzero().flatten().tolist()
+            raise ValueError(
+                f"Rows {rows} of the attention mask are right-padded (a 0 after a 1); hf_dscale appends each row's "
+                "new tokens after its last column, so it decodes left-padded batches only. Set "
+                "tokenizer.padding_side = 'left' (as plain generate() also expects for decoder-only models).")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(f"The cache passed in already holds {cache.get_seq_length()} positions; hf_dscale decodes from "
                          "the prompt with a cache of its own: pass no past_key_values (or an empty cache).")
@@ -439,7 +451,8 @@ def decode(
     """
     if plan is not None and any(value is not None for value in options.values()):
         raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")
-    _check_inputs(drafter, vp_drafter, input_ids, streamer, cache)
+    _check_inputs(drafter, vp_drafter, input_ids, attention_mask, streamer, cache)
+    TargetAttention.of(target)  # refuses a target whose layers the engine cannot decode, before any decoding forward
     for model in (drafter, vp_drafter):
         if model is not None and model.target is not target:
             model.bind_target(target)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import structure
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 ALL_LAYERS = "all"  # the key of a target without `layer_types`, whose layers share one window
 
@@ -30,24 +32,36 @@ class TargetAttention:
     windows: dict[str, int | None]  # layer kind -> window; kinds are `config.layer_types` values or ALL_LAYERS
 
     @classmethod
-    def of(cls, target) -> "TargetAttention":
-        """Read from the target's (text) config: `layer_types` with `sliding_window`, or, without
-        `layer_types`, one `sliding_window` for every layer (Mistral, Phi-3). Other kinds of layer (chunked,
-        linear attention) are refused by name."""
+    def of(cls, target, prefill: bool = False) -> "TargetAttention":
+        """Read from what the target's layers do (`structure.of`): for tokens decoded after the prompt, the window
+        each attention module passes to its attention function, narrowed by the one its cache layer keeps in
+        `generate()`; for the prompt (`prefill`), the attention's alone. Keyed by `config.layer_types` where the
+        layers differ. A target the engine cannot decode (a recurrent or convolutional layer, a chunked attention)
+        is refused with a ValueError naming it."""
+        found = structure.of(target)
+        found.check()
         config = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") \
             else target.config
-        window = getattr(config, "sliding_window", None) or None
-        layer_types = getattr(config, "layer_types", None)
-        if not layer_types:
-            return cls({ALL_LAYERS: window})
-        unknown = sorted(set(layer_types) - {FULL, SLIDING})
-        if unknown:
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        kinds = set(layer_types) - {FULL, SLIDING}
+        if kinds:
             raise ValueError(
-                f"Unsupported target class {type(target).__name__}: its layer_types hold {unknown}; hf_dscale verifies "
-                f"drafts on targets whose layers are {FULL!r} or {SLIDING!r} (a token's keys must be kept and "
-                "dropped by position, which a chunked or recurrent layer's state does not allow)."
-            )
-        return cls({kind: (window if kind == SLIDING else None) for kind in sorted(set(layer_types))})
+                f"Unsupported target class {type(target).__name__}: its layer_types hold {sorted(kinds)}; hf_dscale "
+                f"verifies drafts on targets whose layers are {FULL!r} or {SLIDING!r} (a token's keys must be kept "
+                "and dropped by position, which a chunked or recurrent layer's state does not allow).")
+        per_layer = found.windows if prefill else found.decode_windows
+        windows = set(per_layer)
+        if len(windows) <= 1:
+            return cls({ALL_LAYERS: next(iter(windows), None)})
+        by_kind: dict[str, set] = {}
+        for kind, window in zip(layer_types, per_layer):
+            by_kind.setdefault(kind, set()).add(window)
+        if len(layer_types) != len(per_layer) or any(len(seen) > 1 for seen in by_kind.values()):
+            raise ValueError(
+                f"Unsupported target class {type(target).__name__}: its layers attend through windows "
+                f"{list(per_layer)} that its config's layer_types ({layer_types or 'none'}) do not key, and "
+                "transformers takes prepared masks by layer type; hf_dscale cannot hand each layer its mask.")
+        return cls({kind: next(iter(seen)) for kind, seen in sorted(by_kind.items())})
 
     @property
     def sliding(self) -> bool:

@@ -81,7 +81,22 @@ def test_windows_by_layer_kind():
     assert TargetAttention.of(tiny_target("llama")).windows == {ALL_LAYERS: None}
     assert TargetAttention.of(tiny_target("mistral")).windows == {ALL_LAYERS: WINDOW}
     assert TargetAttention.of(tiny_target("gemma3")).windows == {"full_attention": None, "sliding_attention": WINDOW}
-    assert TargetAttention.of(tiny_target("qwen2", window=None)).windows == {"full_attention": None}
+    assert TargetAttention.of(tiny_target("qwen2", window=None)).windows == {ALL_LAYERS: None}
+
+
+def test_a_window_only_the_cache_applies():
+    """A Llama config may carry a `sliding_window` that Llama's attention ignores, while generate()'s cache keeps only
+    that window: the prompt attends to everything, each later token to the window. The engine reads both from what
+    the layers do (the attention's arguments, the cache's layers) and decodes as plain generate() does."""
+    target = tiny_target("llama")
+    target.config.sliding_window = WINDOW
+    assert TargetAttention.of(target, prefill=True).windows == {ALL_LAYERS: None}
+    assert TargetAttention.of(target).windows == {ALL_LAYERS: WINDOW}
+    ids, mask = _prompt([3 * WINDOW, WINDOW + 3], seed=4)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                           custom_generate=custom_generate, drafter=_oracle(target, plain, mask), draft_confidence=0.0)
+    assert torch.equal(plain, spec)
 
 
 def test_window_mask_counts_positions_not_columns():
@@ -99,5 +114,6 @@ def test_unsupported_layer_kind_is_refused_by_name():
                          num_attention_heads=2, num_key_value_heads=2)
     target = LlamaForCausalLM(config)
     target.config.layer_types = ["full_attention", "chunked_attention"]
+    target.config.attention_chunk_size = 4
     with pytest.raises(ValueError, match=r"LlamaForCausalLM.*chunked_attention"):
         TargetAttention.of(target)

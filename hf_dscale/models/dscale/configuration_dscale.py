@@ -52,6 +52,38 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     return [int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps)]
 
 
+def _read(config, name: str):
+    """`config.name`, or None where the config has no such value (or keeps it per layer, as Gemma 4 does)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers raises its own error for a per-layer attribute read globally
+        return None
+
+
+def _head_dim(config) -> int | None:
+    """The target's head size: `head_dim`, or where it is per layer, that of its first full-attention layer."""
+    found = _read(config, "head_dim")
+    if isinstance(found, int):
+        return found
+    per_layer, kinds = _read(config, "per_layer_config"), _read(config, "layer_types") or []
+    if per_layer is None:
+        return None
+    index = kinds.index("full_attention") if "full_attention" in kinds else 0
+    return _read(per_layer[index], "head_dim")
+
+
+def _drafter_rope(rope: dict) -> dict:
+    """The RoPE a new drafter takes from a target's `rope_parameters`: the full-attention layers' where they are
+    kept per layer type (Gemma 3/4), or another kind's whose type the drafter computes, else only the theta."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        kinds = [rope.get("full_attention")] + [v for k, v in rope.items() if k != "full_attention"]
+        usable = [k for k in kinds if k and k.get("rope_type", "default") in ROPE_TYPES]
+        rope = usable[0] if usable else {"rope_theta": (kinds[0] or {}).get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        rope = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    return rope
+
+
 class DScaleConfig(PretrainedConfig):
     r"""A block-diffusion drafter conditioned on hidden states of a target model.
 
@@ -191,26 +223,33 @@ class DScaleConfig(PretrainedConfig):
     @classmethod
     def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,
                     fusion: str = "layerwise", mask_token_id: int | None = None, **kwargs) -> "DScaleConfig":
-        """A drafter config whose width, heads and RoPE follow `target_config` (a Llama/Qwen3-style config)."""
+        """A drafter config whose width, heads and RoPE follow `target_config`: a Llama/Qwen3-style config, a GPT-2-style
+        one (`n_embd`, `n_inner`, read through transformers' attribute maps) or one whose head size is per layer (Gemma
+        4: its full-attention layers' head size). Where the target's RoPE is of a type the drafter does not compute,
+        the drafter takes another layer kind's, or the plain one with the target's theta. Raises ValueError naming
+        a size it cannot read."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        n = text.num_hidden_layers
+        hidden, heads, n = (_read(text, name) for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        missing = [name for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                                            ("num_hidden_layers", n)) if not isinstance(value, int)]
+        if missing:
+            raise ValueError(f"DScaleConfig.from_target cannot read {missing} from a {type(text).__name__}; pass a "
+                             "causal LM's config with a hidden size, a head count and a depth.")
         num_taps = num_taps or (9 if fusion == "layerwise" else 5)
         num_taps = min(num_taps, max(1, n - 3))
-        rope = getattr(text, "rope_parameters", None) or {}
-        if set(rope) <= {"full_attention", "sliding_attention"} and rope:  # per layer type (Gemma 3): the full layers'
-            rope = rope.get("full_attention") or {}
-        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        rope = _drafter_rope(_read(text, "rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", _read(text, "rope_theta") or 10000.0)
         fields = dict(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            hidden_size=hidden,
+            intermediate_size=_read(text, "intermediate_size") or _read(text, "n_inner") or 4 * hidden,
             num_hidden_layers=num_hidden_layers,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            num_attention_heads=heads,
+            num_key_value_heads=_read(text, "num_key_value_heads") or heads,
+            head_dim=_head_dim(text) or hidden // heads,
+            rms_norm_eps=_read(text, "rms_norm_eps") or _read(text, "layer_norm_epsilon") or 1e-6,
             rope_theta=rope_theta,
             rope_parameters=normalise_rope(dict(rope)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            max_position_embeddings=_read(text, "max_position_embeddings") or 8192,
             vocab_size=text.vocab_size,
             target_layer_ids=build_target_layer_ids(n, num_taps),
             num_target_layers=n,

@@ -626,23 +626,25 @@ class DScaleDrafter(DScalePreTrainedModel):
 
 
 def tap_layers(target: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM whose outputs can be tapped (Llama/Qwen/Mistral/Gemma/Phi-3-style
-    `model.layers`, found through `target.get_decoder()`). Raises ValueError naming the class and what is missing."""
+    """The decoder blocks of a causal LM whose outputs the drafter taps, wherever the model keeps them
+    (`model.layers` for Llama-style classes, `transformer.h` for GPT-2-style ones, ...): the decoder's `layers`
+    where it has them, else the one ModuleList in the model as long as its config's depth. Raises ValueError naming
+    the class and what is missing."""
     name = type(target).__name__
-    if not callable(getattr(target, "get_decoder", None)):
-        raise ValueError(
-            f"Unsupported target class {name}: it has no get_decoder(), through which hf_dscale finds the decoder "
-            "layers (`model.layers`) whose hidden states it taps; use a decoder-only *ForCausalLM class."
-        )
-    decoder = target.get_decoder()
+    decoder = target.get_decoder() if callable(getattr(target, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    depth = getattr(text, "num_hidden_layers", None)
+    found = [m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == depth] if depth else []
+    if len(found) != 1:
         raise ValueError(
-            f"Unsupported target class {name}: its decoder ({type(decoder).__name__}) has no `layers` ModuleList "
-            "(`model.layers`), whose outputs hf_dscale taps; supported are decoder-only causal LMs that keep their "
-            "blocks there (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, ...)."
+            f"Unsupported target class {name}: hf_dscale taps the outputs of its decoder blocks, but found "
+            f"{len(found)} lists of {depth} blocks in it (none under get_decoder().layers); supported are "
+            "decoder-only causal LMs with one list of blocks (`model.layers`, `transformer.h`, ...)."
         )
-    return layers
+    return found[0]
 
 
 __all__ = ["DScaleDrafter", "DScalePreTrainedModel", "DraftContextCache", "DraftVocab", "tap_layers"]

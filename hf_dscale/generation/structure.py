@@ -1,0 +1,190 @@
+"""What a target's layers do, read from the layers themselves: a probe forward of a few tokens, once per target.
+
+The engine verifies drafts by position: each verified token's keys and values are written into a cache, and a
+rejected token's are dropped by cropping (or masking) its column. That is exact for a layer whose whole state is the
+keys and values of the tokens it saw, attending to all of them or to a window of them; it is not for a layer that
+folds tokens into a running state (linear attention, Mamba, short convolutions, ...), whose state after a rejected
+token cannot be cropped back. Config keys do not say which is which reliably (a Llama config may carry a
+`sliding_window` its modeling ignores; Falcon-H1 runs Mamba beside attention in every layer without `layer_types`),
+so `probe` runs the target once on three tokens:
+
+* through an attention function of its own, registered with transformers' `AttentionInterface`, which records for
+  each attention module the window, sinks and soft-cap it passes, then attends as SDPA does;
+* with `use_cache=True`, reading back what the model keeps per layer: a layer is decodable when its cache layer is
+  transformers' plain K/V layer (`DynamicLayer`, or `DynamicSlidingWindowLayer`, whose window `generate()` applies
+  to every token decoded after the prompt even where the attention itself does not slide).
+
+`Structure.problem` names what the engine cannot decode (None: it can); `decode` raises it as a ValueError before it
+decodes. The decoder blocks are found where the attention modules live, whatever the model calls them
+(`model.layers`, `transformer.h`, ...).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..models.dscale import compat
+
+PROBE = "hf_dscale_probe"
+KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")  # transformers' cache layers that hold K/V only
+
+
+@dataclass(frozen=True)
+class Structure:
+    """One target's decoder blocks and what each does."""
+
+    blocks: nn.ModuleList | None  # the decoder blocks, in order
+    windows: tuple[int | None, ...]  # per block: the window its attention applies (None: full), a prefill's too
+    cache_windows: tuple[int | None, ...]  # per block: the window its cache layer keeps in generate() (None: all)
+    head_dims: tuple[int, ...]  # per block: its attention's head size
+    sinks: bool  # some attention takes sink logits (gpt-oss)
+    softcap: bool  # some attention soft-caps its logits (Gemma 2)
+    problem: str | None = None  # what the engine cannot decode, in words (None: nothing)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def decode_windows(self) -> tuple[int | None, ...]:
+        """Per block, what a token decoded one at a time sees: the attention's window, narrowed by the cache's (a
+        Llama config may carry a `sliding_window` its attention ignores but `generate()`'s cache applies)."""
+        return tuple(w if c is None else c if w is None else min(w, c)
+                     for w, c in zip(self.windows, self.cache_windows))
+
+    def check(self) -> None:
+        """Raise the problem as a ValueError, if there is one."""
+        if self.problem is not None:
+            raise ValueError(self.problem)
+
+
+_PROBED: "weakref.WeakKeyDictionary[nn.Module, Structure]" = weakref.WeakKeyDictionary()
+
+
+def of(target: nn.Module) -> Structure:
+    """`probe(target)`, run once per target and kept (weakly) for later calls."""
+    found = _PROBED.get(target)
+    if found is None:
+        found = _PROBED[target] = probe(target)
+    return found
+
+
+class _Recorder:
+    """The probe's attention function: records each attention module's call and returns zeros of the attention's
+    output shape (the probe reads what the layers pass and keep, not what they compute)."""
+
+    def __init__(self):
+        self.calls: dict[int, tuple[nn.Module, dict]] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        self.calls.setdefault(id(module), (module, dict(
+            window=kwargs.get("sliding_window"), sinks=kwargs.get("s_aux") is not None,
+            softcap=kwargs.get("softcap") is not None, head_dim=int(query.shape[-1]))))
+        b, _, n, _ = query.shape
+        return query.new_zeros(b, n, query.shape[1], value.shape[-1]), None
+
+
+def _blocks_holding(target: nn.Module, modules: list[nn.Module]) -> nn.ModuleList | None:
+    """The ModuleList whose entries hold the given (attention) modules: the decoder blocks."""
+    owner_of = {}
+    for name, module in target.named_modules():
+        owner_of[id(module)] = name
+    best = None
+    for name, module in target.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            inside = sum(any(owner_of.get(id(m), "").startswith(f"{name}.{i}.") for i in range(len(module)))
+                         for m in modules)
+            if inside and (best is None or inside > best[0]):
+                best = (inside, module)
+    return None if best is None else best[1]
+
+
+def _name(target: nn.Module) -> str:
+    return type(target).__name__
+
+
+@torch.no_grad()
+def probe(target: nn.Module) -> Structure:
+    """Run `target` once on three tokens (see the module's docstring) and describe its blocks."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    name = _name(target)
+    recorder = _Recorder()
+    AttentionInterface.register(PROBE, recorder)
+    AttentionMaskInterface.register(PROBE, compat.sdpa_mask())
+    before = compat.attention_implementation(target)
+    device = next(target.parameters()).device
+    ids = torch.tensor([[1, 2, 3]], device=device)
+    try:
+        target.set_attn_implementation(PROBE)
+    except Exception as error:  # a model that fixes its attention (no attention interface)
+        return _refused(f"Unsupported target class {name}: its attention does not run through transformers' "
+                        f"attention interface ({type(error).__name__}: {error}), so hf_dscale cannot verify token "
+                        "trees or batches on it; decode it with plain generate() (or assistant_model=).")
+    try:
+        out = target(input_ids=ids, use_cache=True)  # the model makes its own cache: what each layer keeps
+    except Exception as error:
+        return _refused(f"Unsupported target class {name}: a forward of three tokens through transformers' "
+                        f"attention interface failed ({type(error).__name__}: {str(error)[:200]}); hf_dscale cannot "
+                        "verify on it.")
+    finally:
+        target.set_attn_implementation(before)
+    calls = list(recorder.calls.values())
+    if not calls:
+        return _refused(f"Unsupported target class {name}: none of its layers calls transformers' attention "
+                        "interface (a recurrent or convolutional model, or attention of its own); hf_dscale verifies "
+                        "drafts on attention layers whose keys and values can be dropped by position.")
+    blocks = _blocks_holding(target, [module for module, _ in calls])
+    by_block = []
+    for block in blocks if blocks is not None else ():
+        inside = [seen for module, seen in calls if any(module is m for m in block.modules())]
+        by_block.append(inside[0] if inside else None)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    problem = _stateful(name, blocks, by_block, cache)
+    attention = [seen for seen in by_block if seen is not None] or [seen for _, seen in calls]
+    kept = list(getattr(cache, "layers", None) or [])
+    kept = kept if len(kept) == len(by_block) else [None] * len(by_block)
+    return Structure(
+        blocks=blocks,
+        windows=tuple(seen["window"] if seen else None for seen in by_block),
+        cache_windows=tuple(getattr(layer, "sliding_window", None) if type(layer).__name__ in KV_LAYERS else None
+                            for layer in kept),
+        head_dims=tuple(seen["head_dim"] for seen in attention),
+        sinks=any(seen["sinks"] for seen in attention),
+        softcap=any(seen["softcap"] for seen in attention),
+        problem=problem,
+    )
+
+
+def _refused(problem: str) -> Structure:
+    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), sinks=False, softcap=False,
+                     problem=problem)
+
+
+def _stateful(name: str, blocks, by_block: list, cache) -> str | None:
+    """Why the target's layers keep a state the engine cannot roll back (None: every layer keeps K/V only)."""
+    if blocks is None:
+        return (f"Unsupported target class {name}: its attention modules are not inside a list of decoder blocks, "
+                "whose outputs hf_dscale taps for the drafter.")
+    without = [i for i, seen in enumerate(by_block) if seen is None]
+    if without:
+        kinds = sorted({type(blocks[i]).__name__ for i in without})
+        return (f"Unsupported target class {name}: its decoder blocks {without} ({', '.join(kinds)}) do not attend "
+                "(a recurrent, linear-attention or convolutional layer); hf_dscale verifies drafts on layers whose "
+                "keys and values can be dropped by position, and cannot yet roll back such a layer's state. Decode "
+                "it with assistant_model= (transformers crops the recorded states) or plain generate().")
+    layers = getattr(cache, "layers", None)
+    if cache is None:
+        return None
+    if layers is None:
+        return (f"Unsupported target class {name}: it keeps its cache in a {type(cache).__name__}, not in "
+                "transformers' per-layer key/value cache, so hf_dscale cannot drop a rejected token's state.")
+    odd = sorted({(i, type(layer).__name__) for i, layer in enumerate(layers) if type(layer).__name__ not in KV_LAYERS})
+    if odd:
+        kinds = sorted({kind for _, kind in odd})
+        return (f"Unsupported target class {name}: its layers {[i for i, _ in odd]} keep more than keys and values "
+                f"({', '.join(kinds)}: a recurrent, convolutional or indexed state); hf_dscale cannot yet roll such "
+                "a state back to the accepted token. Decode it with assistant_model= (where transformers can crop "
+                "it) or plain generate().")
+    return None
