@@ -253,6 +253,9 @@ def check(model_type: str, built=None) -> Verdict:
         verdict.ways.update({f"{way} {name}": said for way in WAYS for name in plains})
         verdict.seconds = time.perf_counter() - start
         return verdict
+    from .generation import structure
+
+    structure.of(model)  # the engine's probe of the layers (kept per target): the counter then sees decoding alone
     for name, (ids, mask) in batches.items():
         if name not in plains:
             continue
@@ -270,7 +273,7 @@ def _worker(tasks, results) -> None:
         if model_type is None:
             return
         try:
-            results.put(asdict(check(model_type, built=lambda: results.put({"built": model_type}))))
+            results.put(asdict(check(model_type, built=lambda: results.put({"ready": model_type}))))
         except Exception:  # the sweep's own bug: reported as the class's verdict
             results.put(asdict(Verdict(model_type, "?", built="sweep error: " + traceback.format_exc(limit=2))))
 
@@ -308,8 +311,8 @@ def sweep(model_types=None, *, workers: int = 2, timeout_s: float = 60.0, progre
             message = results.get(timeout=1.0)
         except queue.Empty:
             message = None
-        if message is not None and "built" in message:
-            ready.add(message["built"])
+        if message is not None and "ready" in message:
+            ready.add(message["ready"])
             continue
         found = None if message is None else Verdict(**message)
         if found is not None:

@@ -42,6 +42,7 @@ import time
 import torch
 
 from ..generation.lookup import PromptLookup
+from ..generation import structure
 from ..generation.masks import TargetAttention, column_positions
 from ..generation.tree import TokenTree
 from ..generation.types import DecodeStats
@@ -66,6 +67,7 @@ class Engine:
         self.processors, self.criteria, self.do_sample, self.streamer = processors, criteria, do_sample, streamer
         layer_ids = tap_ids(drafter, vp_drafter)
         self.forward, self.cut = plan.forward(target, layer_ids), plan.cut()
+        self.stateful = bool(structure.of(target).stateful)  # layers with a conv window or recurrent state
         self.attention = TargetAttention.of(target)  # what a decoded token sees
         self.prefill_attention = TargetAttention.of(target, prefill=True)  # what the prompt sees
         # A compiled verify (the plan's choice) needs fixed shapes: a cache of `capacity` columns, taps returned
@@ -74,6 +76,9 @@ class Engine:
             self.cache = compat.column_cache(capacity + self.static.widths[-1])
             self.recorder = self._taps = None
             self.compiled_s = self.static.compile_s
+        elif self.stateful:  # attention layers as below; transformers' own layers for the conv and recurrent states
+            self.cache = compat.hybrid_cache(target.config, capacity)
+            self.recorder = TapRecorder(target, layer_ids)
         else:  # every position in every layer (the masks apply any window), written in place in buffers allocated ahead
             self.cache = compat.position_cache(capacity)
             self.recorder = TapRecorder(target, layer_ids)
@@ -119,6 +124,8 @@ class Engine:
             out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                               use_cache=True, logits_to_keep=1, **compat.cache_kwargs(self.target, self.cache))
             logits = out.logits[:, -1].float()  # [B, V]
+            if self.stateful:  # from here on each forward keeps every token's state, for `keep_states`
+                compat.record_states(self.cache, 2 * self.drafter.config.block_size)
         if self.processors:
             logits = torch.cat([self.batch.processors_for(self.processors, b)(self.batch.sequence(b), logits[b : b + 1])
                                 for b in range(logits.shape[0])])
@@ -316,6 +323,8 @@ class Engine:
         last = outcome.tokens.gather(1, (length - 1).clamp_min(0)[:, None])[:, 0]
         self.anchors = torch.where(on, last, self.anchors)
         self.anchor_pos = self.anchor_pos + length
+        if self.stateful:  # each row's conv windows and recurrent states as after its own accepted tokens
+            compat.keep_states(self.cache, length)
         self.advanced, self.unread, self.nodes = (start, width), True, outcome.nodes
 
     def options_read(self) -> int:
@@ -383,7 +392,7 @@ class Engine:
         self.anchor_ids = [self.anchor_ids[b] for b in slots]
         self.lookups, self.proposals = [self.lookups[b] for b in slots], [self.proposals[b] for b in slots]
         self.pending = self.pending.select(slots)
-        self.cache.batch_select_indices(index)  # transformers' own: each layer keeps those rows
+        compat.select_rows(self.cache, index)  # each layer keeps those rows
         self.dcache.select_rows(index)
         if self.vp_drafter is not None:
             self.vp_cache.select_rows(index)

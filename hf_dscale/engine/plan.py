@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..generation import direct_forward as direct_forward_module
+from ..generation import structure
 from ..generation import target_forward
 from ..kernels import cpu_linear as cpu_linear_kernel
 from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, cut_minimum, min_drafts_from,
@@ -153,6 +154,17 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     start = time.perf_counter()
     device = _device(target)
     reasons = []
+    stateful = structure.of(target).stateful
+    if stateful:  # each verified token's state is kept by stepping it; a tree's nodes would need one per branch
+        if vp_drafter is not None or tree or prompt_lookup or compile or direct_forward:
+            raise ValueError(
+                f"{type(target).__name__} has layers {list(stateful)} that keep a conv window or recurrent state; on "
+                "such a target hf_dscale verifies chains with an eager forward, not yet token trees (vp_drafter, "
+                "draft_tree=True, prompt_lookup=True) or a compiled or direct verify (compile=True, "
+                "direct_forward=True). Leave those options unset.")
+        tree, prompt_lookup, compile, direct_forward = False, False, False, False
+        reasons.append(f"chain, eager: layers {list(stateful)} keep a conv window or recurrent state, rolled back per "
+                       "row to the accepted token (token trees would need a state per branch)")
     if vp_drafter is not None:
         tree, lookup_default = True, False
         reasons.append("tree: a VP drafter was given (D²SD)")

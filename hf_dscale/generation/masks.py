@@ -43,24 +43,30 @@ class TargetAttention:
         config = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") \
             else target.config
         layer_types = list(getattr(config, "layer_types", None) or [])
-        kinds = set(layer_types) - {FULL, SLIDING}
+        # The kinds of blocks that do not attend (linear attention, conv, MLP alone) or keep a state beside their
+        # attention (Falcon-H1's "hybrid") are rolled back or stateless, not masked
+        masked = [i < len(found.attends) and found.attends[i] and i not in found.stateful
+                  for i in range(len(layer_types))]
+        kinds = {kind for kind, on in zip(layer_types, masked) if on and kind not in (FULL, SLIDING)}
         if kinds:
             raise ValueError(
                 f"Unsupported target class {type(target).__name__}: its layer_types hold {sorted(kinds)}; hf_dscale "
-                f"verifies drafts on targets whose layers are {FULL!r} or {SLIDING!r} (a token's keys must be kept "
-                "and dropped by position, which a chunked or recurrent layer's state does not allow).")
+                f"verifies drafts on attention layers that are {FULL!r} or {SLIDING!r} (a token's keys must be kept "
+                "and dropped by position, which a chunked or indexed layer's state does not allow).")
         per_layer = found.windows if prefill else found.decode_windows
-        windows = set(per_layer)
+        windows = {w for w, on in zip(per_layer, found.attends) if on}
         if len(windows) <= 1:
             return cls({ALL_LAYERS: next(iter(windows), None)})
         by_kind: dict[str, set] = {}
         for kind, window in zip(layer_types, per_layer):
             by_kind.setdefault(kind, set()).add(window)
-        if len(layer_types) != len(per_layer) or any(len(seen) > 1 for seen in by_kind.values()):
+        if len(layer_types) != len(per_layer) or any(len(seen) > 1 for seen in by_kind.values()) or \
+                not all(found.attends) or found.stateful:
             raise ValueError(
                 f"Unsupported target class {type(target).__name__}: its layers attend through windows "
-                f"{list(per_layer)} that its config's layer_types ({layer_types or 'none'}) do not key, and "
-                "transformers takes prepared masks by layer type; hf_dscale cannot hand each layer its mask.")
+                f"{list(per_layer)} that its config's layer_types ({layer_types or 'none'}) do not key (or beside "
+                "layers with a recurrent state, whose prompt mask transformers builds), and transformers takes prepared "
+                "masks by layer type; hf_dscale cannot hand each layer its mask.")
         return cls({kind: next(iter(seen)) for kind, seen in sorted(by_kind.items())})
 
     @property

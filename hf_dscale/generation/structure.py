@@ -31,6 +31,7 @@ from ..models.dscale import compat
 
 PROBE = "hf_dscale_probe"
 KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")  # transformers' cache layers that hold K/V only
+STATELESS = "DummyLayer"  # transformers' cache layer of a block that keeps nothing (an MLP or MoE block alone)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Structure:
     windows: tuple[int | None, ...]  # per block: the window its attention applies (None: full), a prefill's too
     cache_windows: tuple[int | None, ...]  # per block: the window its cache layer keeps in generate() (None: all)
     head_dims: tuple[int, ...]  # per block: its attention's head size
+    attends: tuple[bool, ...]  # per block: whether it calls an attention function
+    stateful: tuple[int, ...]  # the blocks whose cache layer keeps a conv window or a recurrent state
     sinks: bool  # some attention takes sink logits (gpt-oss)
     softcap: bool  # some attention soft-caps its logits (Gemma 2)
     problem: str | None = None  # what the engine cannot decode, in words (None: nothing)
@@ -141,7 +144,10 @@ def probe(target: nn.Module) -> Structure:
         inside = [seen for module, seen in calls if any(module is m for m in block.modules())]
         by_block.append(inside[0] if inside else None)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-    problem = _stateful(name, blocks, by_block, cache)
+    problem = _unsupported(name, blocks, by_block, cache)
+    stateful = tuple(compat.stateful_layers(cache)) if cache is not None else ()
+    if problem is None and stateful:
+        problem = _rollback_unsupported(target, cache)
     attention = [seen for seen in by_block if seen is not None] or [seen for _, seen in calls]
     kept = list(getattr(cache, "layers", None) or [])
     kept = kept if len(kept) == len(by_block) else [None] * len(by_block)
@@ -150,6 +156,8 @@ def probe(target: nn.Module) -> Structure:
         windows=tuple(seen["window"] if seen else None for seen in by_block),
         cache_windows=tuple(getattr(layer, "sliding_window", None) if type(layer).__name__ in KV_LAYERS else None
                             for layer in kept),
+        attends=tuple(seen is not None for seen in by_block),
+        stateful=stateful,
         head_dims=tuple(seen["head_dim"] for seen in attention),
         sinks=any(seen["sinks"] for seen in attention),
         softcap=any(seen["softcap"] for seen in attention),
@@ -158,33 +166,53 @@ def probe(target: nn.Module) -> Structure:
 
 
 def _refused(problem: str) -> Structure:
-    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), sinks=False, softcap=False,
-                     problem=problem)
+    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(), sinks=False,
+                     softcap=False, problem=problem)
 
 
-def _stateful(name: str, blocks, by_block: list, cache) -> str | None:
-    """Why the target's layers keep a state the engine cannot roll back (None: every layer keeps K/V only)."""
+def _unsupported(name: str, blocks, by_block: list, cache) -> str | None:
+    """Why the engine cannot decode the target's layers (None: every layer keeps keys and values, a conv window or
+    a recurrent state, which the engine drops or rolls back per row)."""
     if blocks is None:
         return (f"Unsupported target class {name}: its attention modules are not inside a list of decoder blocks, "
                 "whose outputs hf_dscale taps for the drafter.")
-    without = [i for i, seen in enumerate(by_block) if seen is None]
+    layers = getattr(cache, "layers", None)
+    if cache is not None and layers is None:
+        return (f"Unsupported target class {name}: it keeps its cache in a {type(cache).__name__}, not in "
+                "transformers' per-layer cache, so hf_dscale cannot drop a rejected token's state.")
+    layers = list(layers or [])
+    stateful = {i for i, layer in enumerate(layers) if compat.is_stateful(layer)}
+    stateless = {i for i, layer in enumerate(layers) if type(layer).__name__ == STATELESS}
+    without = [i for i, seen in enumerate(by_block) if seen is None and i not in stateful | stateless]
     if without:
         kinds = sorted({type(blocks[i]).__name__ for i in without})
-        return (f"Unsupported target class {name}: its decoder blocks {without} ({', '.join(kinds)}) do not attend "
-                "(a recurrent, linear-attention or convolutional layer); hf_dscale verifies drafts on layers whose "
-                "keys and values can be dropped by position, and cannot yet roll back such a layer's state. Decode "
-                "it with assistant_model= (transformers crops the recorded states) or plain generate().")
-    layers = getattr(cache, "layers", None)
-    if cache is None:
-        return None
-    if layers is None:
-        return (f"Unsupported target class {name}: it keeps its cache in a {type(cache).__name__}, not in "
-                "transformers' per-layer key/value cache, so hf_dscale cannot drop a rejected token's state.")
-    odd = sorted({(i, type(layer).__name__) for i, layer in enumerate(layers) if type(layer).__name__ not in KV_LAYERS})
+        return (f"Unsupported target class {name}: its decoder blocks {without} ({', '.join(kinds)}) neither attend "
+                "nor keep a state in transformers' cache; hf_dscale verifies drafts on layers whose keys and values "
+                "can be dropped by position, or whose conv window or recurrent state it can roll back.")
+    odd = sorted((i, type(layer).__name__) for i, layer in enumerate(layers)
+                 if type(layer).__name__ not in (*KV_LAYERS, STATELESS)
+                 and (i not in stateful or "Sliding" in type(layer).__name__))
     if odd:
         kinds = sorted({kind for _, kind in odd})
-        return (f"Unsupported target class {name}: its layers {[i for i, _ in odd]} keep more than keys and values "
-                f"({', '.join(kinds)}: a recurrent, convolutional or indexed state); hf_dscale cannot yet roll such "
-                "a state back to the accepted token. Decode it with assistant_model= (where transformers can crop "
-                "it) or plain generate().")
+        return (f"Unsupported target class {name}: its layers {[i for i, _ in odd]} keep a state hf_dscale cannot "
+                f"roll back to the accepted token ({', '.join(kinds)}: an indexed or windowed state). Decode it "
+                "with assistant_model= (where transformers can crop it) or plain generate().")
     return None
+
+
+def _rollback_unsupported(target: nn.Module, cache) -> str | None:
+    """After the probe's three tokens: two more with recording on, and whether every stateful layer kept the conv
+    window and recurrent state of each (`compat.keep_states` needs them). Why not, in words (None: it did)."""
+    compat.record_states(cache, 2)
+    device = next(target.parameters()).device
+    try:
+        target(input_ids=torch.tensor([[4, 5]], device=device), position_ids=torch.tensor([[3, 4]], device=device),
+               use_cache=True, **compat.cache_kwargs(target, cache))
+    except Exception as error:
+        return (f"Unsupported target class {_name(target)}: a forward of two tokens while its cache records each "
+                f"token's state failed ({type(error).__name__}: {str(error)[:200]}).")
+    why = compat.recurrent_steps_recorded(cache, 2)
+    if why is None:
+        return None
+    return (f"Unsupported target class {_name(target)}: {why}, so hf_dscale cannot roll it back to the accepted "
+            "token. Decode it with assistant_model= or plain generate(), or upgrade transformers.")

@@ -230,6 +230,7 @@ class DScaleConfig(PretrainedConfig):
         a size it cannot read."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         hidden, heads, n = (_read(text, name) for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        n = _read(text, "decoder_layers") or n  # the decoder half of an encoder-decoder family (Bart, Marian)
         missing = [name for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
                                             ("num_hidden_layers", n)) if not isinstance(value, int)]
         if missing:

@@ -427,13 +427,12 @@ class DScaleDrafter(DScalePreTrainedModel):
                 f"Drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.weight.shape[0]}: this drafter "
                 "was trained for another target."
             )
-        depth = text.num_hidden_layers
+        depth = len(tap_layers(target))  # raises for unsupported model classes
         bad = [i for i in cfg.target_layer_ids if not 0 <= i < depth - 1]
         if bad:
             raise ValueError(f"target_layer_ids {bad} do not exist in a {depth}-layer target (valid: 0..{depth - 2}).")
         if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
             raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target's embedding table.")
-        tap_layers(target)  # raises for unsupported model classes
         self._handle = _TargetHandle(target)
         return self
 
@@ -636,7 +635,7 @@ def tap_layers(target: nn.Module) -> nn.ModuleList:
     if isinstance(layers, nn.ModuleList):
         return layers
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    depth = getattr(text, "num_hidden_layers", None)
+    depth = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
     found = [m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == depth] if depth else []
     if len(found) != 1:
         raise ValueError(
