@@ -33,7 +33,8 @@ TINY = dict(
     hidden_size=64, n_embd=64, d_model=64, n_embed=64, embed_dim=64, dim=64,
     intermediate_size=128, n_inner=128, ffn_dim=128, ffn_hidden_size=128, decoder_ffn_dim=128, mlp_dim=128,
     num_hidden_layers=LAYERS, n_layer=LAYERS, num_layers=LAYERS, n_layers=LAYERS, decoder_layers=LAYERS,
-    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, decoder_attention_heads=4,
+    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, decoder_attention_heads=4, encoder_attention_heads=4,
+    encoder_layers=LAYERS, encoder_ffn_dim=128,
     num_key_value_heads=2, head_dim=16, attention_head_dim=16,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, expert_intermediate_size=32,
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
@@ -77,11 +78,15 @@ class Verdict:
 
 def causal_lm_types() -> dict[str, str]:
     """model_type -> causal-LM class name, as the installed transformers registers them (text decoders only:
-    classes named *ForConditionalGeneration take images or audio)."""
+    classes named *ForConditionalGeneration, and those whose config holds a `text_config`, take images or audio;
+    their text models are registered under their own types, `qwen3_5_text` for `qwen3_5`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from transformers import CONFIG_MAPPING
+
     return {kind: name for kind, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
-            if "ConditionalGeneration" not in name}
+            if "ConditionalGeneration" not in name and kind in CONFIG_MAPPING
+            and "text_config" not in (getattr(CONFIG_MAPPING[kind], "sub_configs", None) or {})}
 
 
 def tiny_config(model_type: str):
@@ -101,6 +106,8 @@ def tiny_config(model_type: str):
         if isinstance(value, list) and depth and len(value) == depth and key not in kwargs:
             kwargs[key] = [value[i] for i in _covering(value)]
     kwargs.update(HYBRID.get(model_type, {}))
+    if "is_decoder" in defaults:  # an encoder family's causal-LM head is a decoder only when asked
+        kwargs["is_decoder"] = True
     for key, value in SPECIAL.items():
         if key in defaults:
             kwargs[key] = value
@@ -279,8 +286,9 @@ def _worker(tasks, results) -> None:
 
 
 def sweep(model_types=None, *, workers: int = 2, timeout_s: float = 60.0, progress=None) -> list[Verdict]:
-    """`check` every model type (default: all of `causal_lm_types`) in `workers` processes; a class still running
-    after `timeout_s` is a "hang" and its worker is replaced. `progress(verdict)` is called as each one ends."""
+    """`check` every model type (default: all of `causal_lm_types`) in `workers` processes; a class still decoding
+    `timeout_s` after its tiny model was built is a "hang" (one that takes a third of that to build is left out of
+    the counts), and its worker is replaced. `progress(verdict)` is called as each one ends."""
     kinds = list(model_types or causal_lm_types())
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -313,6 +321,9 @@ def sweep(model_types=None, *, workers: int = 2, timeout_s: float = 60.0, progre
             message = None
         if message is not None and "ready" in message:
             ready.add(message["ready"])
+            for slot, (process, tasks, kind, _) in pool.items():  # the decoding's own time limit starts now
+                if kind == message["ready"]:
+                    pool[slot] = (process, tasks, kind, time.monotonic())
             continue
         found = None if message is None else Verdict(**message)
         if found is not None:
@@ -323,11 +334,12 @@ def sweep(model_types=None, *, workers: int = 2, timeout_s: float = 60.0, progre
             feed(slot)
             continue
         for slot, (process, _, kind, began) in list(pool.items()):
-            if kind is not None and time.monotonic() - began > timeout_s:
+            limit = timeout_s if kind in ready else timeout_s / 3  # building a tiny model takes seconds
+            if kind is not None and time.monotonic() - began > limit:
                 process.kill()
                 hung = Verdict(kind, causal_lm_types().get(kind, "?"), ways={"all": "hang"}, seconds=timeout_s)
                 if kind not in ready:  # the sweep's tiny size, not hf_dscale: left out of the counts
-                    hung.built, hung.ways = f"the tiny model or its plain generate() took over {timeout_s:.0f} s", {}
+                    hung.built, hung.ways = f"the tiny model or its plain generate() took over {limit:.0f} s", {}
                 done.append(hung)
                 if progress:
                     progress(hung)

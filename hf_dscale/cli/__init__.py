@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, card, dllm, export, kernels, run, train
+from . import bench, card, dllm, export, kernels, run, sweep, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (run, bench, train, card, kernels, dllm, export):
+    for module in (run, bench, train, card, kernels, dllm, export, sweep):
         module.add_parser(sub)
     return parser
 

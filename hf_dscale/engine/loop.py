@@ -462,6 +462,11 @@ def decode(
         raise ValueError(f"Pass either a plan or method options ({sorted(options)}), not both: a plan fixes the method.")
     _check_inputs(drafter, vp_drafter, input_ids, attention_mask, streamer, cache)
     TargetAttention.of(target)  # refuses a target whose layers the engine cannot decode, before any decoding forward
+    if input_ids.shape[0] > 1 and not structure.of(target).positions:
+        raise ValueError(
+            f"{type(target).__name__} counts positions from its cache's columns, not from the position_ids it is "
+            "given; in a batch, rows that accept different lengths leave masked columns that would shift them, so "
+            "hf_dscale decodes it one prompt at a time: pass a batch of 1.")
     for model in (drafter, vp_drafter):
         if model is not None and model.target is not target:
             model.bind_target(target)

@@ -203,6 +203,30 @@ def _book(result: DLLMResult, model: DiffusionModel, cache, kind: str, rows: int
     result.query_tokens += sum(windows)
 
 
+def check_block_sizes(sizes, gen_length: int, what: str = "block size") -> tuple[int, ...]:
+    """`sizes` as a sorted tuple of distinct positive ints dividing `gen_length`; a ValueError that names what was
+    found otherwise (before any decoding)."""
+    sizes = tuple(sizes)
+    wrong = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if not sizes or wrong:
+        raise ValueError(f"Every {what} must be a whole number of tokens, 1 or more; got {list(sizes)}"
+                         + (f" ({wrong} are not)." if wrong else " (none given)."))
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"The {what}s {list(sizes)} repeat one; each branch needs its own size.")
+    if not isinstance(gen_length, int) or gen_length < 1:
+        raise ValueError(f"gen_length (max_new_tokens) must be 1 or more tokens, got {gen_length!r}.")
+    bad = [b for b in sizes if gen_length % b]
+    if bad:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of every {what}; not of {bad}.")
+    return tuple(sorted(sizes))
+
+
+def check_threshold(threshold, name: str = "threshold") -> None:
+    """A confidence threshold must be a probability in (0, 1]."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+        raise ValueError(f"{name} must be a probability in (0, 1], got {threshold!r}.")
+
+
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:
     if prompt.dim() != 2 or prompt.shape[0] != 1:
         raise ValueError("dLLM decoding takes one prompt at a time: input_ids of shape [1, P].")
@@ -224,8 +248,8 @@ def fast_dllm_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length: 
     between model calls (`host_kernel`).
     """
     commit_first = bool(model.shift) if commit_first is None else commit_first
-    if gen_length % block_size:
-        raise ValueError(f"gen_length {gen_length} must be a multiple of block_size {block_size}.")
+    check_block_sizes((block_size,), gen_length)
+    check_threshold(threshold)
     x = _start(model, prompt, gen_length)
     kernel = host_kernel(host, x.device)
     p, mask_id, eos = prompt.shape[1], model.mask_token_id, model.eos_token_id
@@ -536,10 +560,14 @@ def blockbatch_generate(model: DiffusionModel, prompt: torch.Tensor, gen_length:
         raise ValueError(f"refresh_rows must be one of {REFRESH_ROWS} or 'plan', got {refresh_rows!r}.")
     if block_sizes is None and plan is not None:
         block_sizes = plan.block_sizes
-    sizes = sorted(BLOCK_SIZES if block_sizes is None else block_sizes)
-    bad = [b for b in sizes if gen_length % b]
-    if bad:
-        raise ValueError(f"gen_length {gen_length} must be a multiple of every block size; not of {bad}.")
+    sizes = list(check_block_sizes(BLOCK_SIZES if block_sizes is None else block_sizes, gen_length))
+    check_threshold(threshold)
+    if not 0 <= prob_floor < 1:
+        raise ValueError(f"prob_floor must be a probability in [0, 1), got {prob_floor!r}.")
+    if refresh_tokens is not None and (isinstance(refresh_tokens, bool) or not isinstance(refresh_tokens, int)
+                                       or refresh_tokens < 1):
+        raise ValueError(f"refresh_tokens must be a number of tokens (1 or more), None (never) or 'plan', got "
+                         f"{refresh_tokens!r}.")
     x1 = _start(model, prompt, gen_length)
     p, mask_id, eos, n, length = prompt.shape[1], model.mask_token_id, model.eos_token_id, len(sizes), x1.shape[1]
     state = _Branches(model, x1.expand(n, -1).clone(), p, sizes, prob_floor, host_kernel(host, x1.device))
@@ -897,10 +925,7 @@ def plan_blockbatch(model: DiffusionModel, prompts: Sequence[torch.Tensor], gen_
 
     Returns a `BlockBatchPlan`; pass it as `blockbatch_generate(..., plan=plan)`.
     """
-    sizes = tuple(sorted(set(candidate_block_sizes)))
-    bad = [b for b in sizes if gen_length % b]
-    if bad:
-        raise ValueError(f"gen_length {gen_length} must be a multiple of every candidate block size; not of {bad}.")
+    sizes = check_block_sizes(sorted(set(candidate_block_sizes)), gen_length, "candidate block size")
     if not prompts:
         raise ValueError("plan_blockbatch needs calibration prompts (a few, drawn apart from the evaluation set).")
     if not 1 <= min_branches <= len(sizes):

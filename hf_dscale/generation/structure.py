@@ -21,6 +21,7 @@ decodes. The decoder blocks are found where the attention modules live, whatever
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class Structure:
     head_dims: tuple[int, ...]  # per block: its attention's head size
     attends: tuple[bool, ...]  # per block: whether it calls an attention function
     stateful: tuple[int, ...]  # the blocks whose cache layer keeps a conv window or a recurrent state
+    positions: bool  # the outputs follow the position_ids passed (else positions come from cache columns)
     sinks: bool  # some attention takes sink logits (gpt-oss)
     softcap: bool  # some attention soft-caps its logits (Gemma 2)
     problem: str | None = None  # what the engine cannot decode, in words (None: nothing)
@@ -144,7 +146,7 @@ def probe(target: nn.Module) -> Structure:
         inside = [seen for module, seen in calls if any(module is m for m in block.modules())]
         by_block.append(inside[0] if inside else None)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-    problem = _unsupported(name, blocks, by_block, cache)
+    problem = _unsupported(name, blocks, by_block, cache) or _not_causal(target)
     stateful = tuple(compat.stateful_layers(cache)) if cache is not None else ()
     if problem is None and stateful:
         problem = _rollback_unsupported(target, cache)
@@ -157,6 +159,7 @@ def probe(target: nn.Module) -> Structure:
         cache_windows=tuple(getattr(layer, "sliding_window", None) if type(layer).__name__ in KV_LAYERS else None
                             for layer in kept),
         attends=tuple(seen is not None for seen in by_block),
+        positions=_reads_position_ids(target),
         stateful=stateful,
         head_dims=tuple(seen["head_dim"] for seen in attention),
         sinks=any(seen["sinks"] for seen in attention),
@@ -166,7 +169,7 @@ def probe(target: nn.Module) -> Structure:
 
 
 def _refused(problem: str) -> Structure:
-    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(), sinks=False,
+    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(), positions=False, sinks=False,
                      softcap=False, problem=problem)
 
 
@@ -198,6 +201,32 @@ def _unsupported(name: str, blocks, by_block: list, cache) -> str | None:
                 f"roll back to the accepted token ({', '.join(kinds)}: an indexed or windowed state). Decode it "
                 "with assistant_model= (where transformers can crop it) or plain generate().")
     return None
+
+
+def _not_causal(target: nn.Module) -> str | None:
+    """Why the target is not causal (a token's output depends on a later token), or None."""
+    device = next(target.parameters()).device
+    first = [target(input_ids=torch.tensor([[4, later]], device=device), use_cache=False).logits[0, 0]
+             for later in (5, 6)]
+    if torch.equal(*first):
+        return None
+    return (f"Unsupported target class {_name(target)}: its attention is bidirectional (a token's output changes with "
+            "a later token: an encoder loaded without is_decoder=True?), so a verify of several tokens would let "
+            "each see the ones after it. Load it as a decoder (config.is_decoder=True) or decode with plain "
+            "generate().")
+
+
+def _reads_position_ids(target: nn.Module) -> bool:
+    """Whether the target's positions are the `position_ids` `generate()` hands it: its forward names them, and the
+    same four tokens at positions 0, 1, 2, 3 and at 0, 1, 2, 7 give different last logits. A model that counts
+    positions from its cache columns (Marian, Pegasus, Whisper's decoder) does not."""
+    if "position_ids" not in inspect.signature(target.forward).parameters:
+        return False  # generate() then hands it none, and the model counts columns
+    device = next(target.parameters()).device
+    ids = torch.tensor([[4, 5, 6, 7]], device=device)
+    logits = [target(input_ids=ids, position_ids=torch.tensor([gap], device=device), use_cache=False).logits[0, -1]
+              for gap in ([0, 1, 2, 3], [0, 1, 2, 7])]
+    return not torch.equal(*logits)
 
 
 def _rollback_unsupported(target: nn.Module, cache) -> str | None:

@@ -301,3 +301,18 @@ def test_a_cycle_reads_the_device_once(monkeypatch, batch, own_criterion, method
     reads_per_cycle = (2 if method == "d2sd" else 1) + (not one_read)
     assert stats.plan.one_read == one_read
     assert reads.count <= (reads_per_cycle + (batch if own_criterion else 0)) * stats.cycles
+
+
+def test_a_right_padded_batch_is_refused_by_name():
+    """The engine appends each row's tokens after its last column, so a row padded on the right would continue
+    from its padding: refused before any forward, naming the rows and the fix."""
+    target = tiny_target()
+    ids = torch.randint(3, 90, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # right padding
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=r"Rows \[1\].*right-padded.*padding_side = 'left'"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=custom_generate,
+                        drafter=tiny_drafter(target))
+    assert not forwards

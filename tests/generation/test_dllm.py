@@ -412,3 +412,22 @@ def test_generate_with_custom_generate_and_clear_errors():
         fast_dllm_generate(DiffusionModel(model), prompt[:1], gen_length=20, block_size=8)
     with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionLM(DiffusionLMConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(dllm_method="blockbatch", block_sizes=(0, 8)), r"block size must be a whole number.*\[0\] are not"),
+    (dict(dllm_method="blockbatch", block_sizes=(8, 8)), "repeat"),
+    (dict(dllm_method="blockbatch", block_sizes=()), "none given"),
+    (dict(dllm_method="blockbatch", block_sizes=(4, 8), threshold=1.5), r"threshold must be a probability"),
+    (dict(dllm_method="blockbatch", block_sizes=(4, 8), refresh_tokens=0), "refresh_tokens"),
+    (dict(dllm_method="blockbatch", block_sizes=(4, 8), sync_threshold=-1), "sync_threshold"),
+    (dict(dllm_method="fast-dllm", block_size=0), "whole number"),
+    (dict(dllm_method="fast-dllm", block_size=8, threshold=0), "threshold"),
+])
+def test_bad_dllm_options_are_refused_before_decoding(options, message):
+    model = tiny_dlm()
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.randint(3, VOCAB, (1, 6)), max_new_tokens=16, custom_generate=dllm_generate, **options)
+    assert not calls

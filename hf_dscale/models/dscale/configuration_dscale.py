@@ -231,6 +231,7 @@ class DScaleConfig(PretrainedConfig):
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         hidden, heads, n = (_read(text, name) for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
         n = _read(text, "decoder_layers") or n  # the decoder half of an encoder-decoder family (Bart, Marian)
+        heads = _read(text, "decoder_attention_heads") or heads
         missing = [name for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
                                             ("num_hidden_layers", n)) if not isinstance(value, int)]
         if missing:
@@ -238,6 +239,12 @@ class DScaleConfig(PretrainedConfig):
                              "causal LM's config with a hidden size, a head count and a depth.")
         num_taps = num_taps or (9 if fusion == "layerwise" else 5)
         num_taps = min(num_taps, max(1, n - 3))
+        head_dim = _head_dim(text) or hidden // heads
+        if head_dim % 2:  # RoPE rotates pairs: the drafter takes the nearest head count with an even head size
+            heads = max(h for h in range(1, heads + 1) if hidden % h == 0 and (hidden // h) % 2 == 0)
+            head_dim = hidden // heads
+        kv_heads = _read(text, "num_key_value_heads") or heads
+        kv_heads = kv_heads if heads % kv_heads == 0 else heads
         rope = _drafter_rope(_read(text, "rope_parameters") or {})
         rope_theta = rope.get("rope_theta", _read(text, "rope_theta") or 10000.0)
         fields = dict(
@@ -245,8 +252,8 @@ class DScaleConfig(PretrainedConfig):
             intermediate_size=_read(text, "intermediate_size") or _read(text, "n_inner") or 4 * hidden,
             num_hidden_layers=num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=_read(text, "num_key_value_heads") or heads,
-            head_dim=_head_dim(text) or hidden // heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=_read(text, "rms_norm_eps") or _read(text, "layer_norm_epsilon") or 1e-6,
             rope_theta=rope_theta,
             rope_parameters=normalise_rope(dict(rope)),

@@ -422,6 +422,13 @@ class DScaleDrafter(DScalePreTrainedModel):
                 f"Drafter hidden_size {cfg.hidden_size} != target hidden_size {text.hidden_size}: this drafter was "
                 "trained for another target."
             )
+        if embed.weight.shape[1] != cfg.hidden_size or head.weight.shape[1] != cfg.hidden_size:
+            raise ValueError(
+                f"{type(target).__name__}'s token embeddings are {embed.weight.shape[1]} wide and its LM head reads "
+                f"{head.weight.shape[1]}, not its hidden size {cfg.hidden_size} (a projected embedding, as in "
+                "ELECTRA): the drafter embeds its block with the target's table and reads it with the target's head, "
+                "so both must be hidden-size wide."
+            )
         if embed.weight.shape[0] != cfg.vocab_size or head.weight.shape[0] != cfg.vocab_size:
             raise ValueError(
                 f"Drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.weight.shape[0]}: this drafter "

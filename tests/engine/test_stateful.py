@@ -1,0 +1,99 @@
+"""Targets whose layers keep a conv window or a recurrent state (Gated DeltaNet, Mamba-2, short convolutions).
+
+After the prefill the engine's cache keeps every verified token's state (`compat.record_states`), and each row is
+rolled back to its own accepted length (`compat.keep_states`). Here the rolled-back states are compared with those of
+a cache that was only ever fed the kept tokens, row by row, and the whole decode with plain `generate()`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
+
+from hf_dscale import DScaleConfig
+from hf_dscale.generation import custom_generate, structure
+from hf_dscale.generation.types import DecodeStats
+from hf_dscale.models.dscale import compat
+from hf_dscale.sweep import OracleDrafter, oracle_from, tiny_config
+
+from ..conftest import unevenly_padded
+
+HYBRIDS = ("qwen3_5_text", "lfm2", "bamba")  # Gated DeltaNet + attention, short conv + attention, Mamba-2 + attention
+pytestmark = pytest.mark.skipif(not compat.records_recurrent_steps(),
+                                reason="this transformers cannot keep a recurrent state per token (5.25+ can)")
+
+
+def _target(kind: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).float().eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    return model
+
+
+def _states(cache) -> list[torch.Tensor]:
+    out = []
+    for i in compat.stateful_layers(cache):
+        layer = cache.layers[i]
+        for s in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[s]:
+                out.append(layer.conv_states[s][..., -layer.conv_kernel_size[s]:])
+            if layer.is_recurrent_states_initialized[s]:
+                out.append(layer.recurrent_states[s])
+    return out
+
+
+def _feed(model, cache, ids, start: int):
+    positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+    model(input_ids=ids, position_ids=positions, use_cache=True, **compat.cache_kwargs(model, cache))
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_each_row_rolls_back_to_its_own_length(kind):
+    model = _target(kind)
+    assert structure.of(model).stateful, kind
+    ids = torch.randint(3, 120, (3, 16), generator=torch.Generator().manual_seed(1))
+    kept = torch.tensor([0, 3, 6])
+    cache = compat.hybrid_cache(model.config, 32)
+    _feed(model, cache, ids[:, :10], 0)
+    compat.record_states(cache, 16)
+    _feed(model, cache, ids[:, 10:16], 10)
+    compat.keep_states(cache, kept)
+    rolled = _states(cache)
+    for b, k in enumerate(kept.tolist()):
+        alone = compat.hybrid_cache(model.config, 32)
+        _feed(model, alone, ids[b : b + 1, :10], 0)
+        compat.record_states(alone, 16)
+        if k:
+            _feed(model, alone, ids[b : b + 1, 10 : 10 + k], 10)
+            compat.keep_states(alone, torch.tensor([k]))
+        for got, want in zip(rolled, _states(alone), strict=True):
+            torch.testing.assert_close(got[b : b + 1], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_batched_chain_is_identical(kind):
+    """Uneven left padding, a processor, rows that accept different lengths and stop at different times."""
+    model = _target(kind)
+    ids, mask = unevenly_padded(3, length=10)
+    penalty = [RepetitionPenaltyLogitsProcessor(1.3)]
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                           logits_processor=penalty)
+    torch.manual_seed(1)
+    drafter = OracleDrafter(DScaleConfig.from_target(model.config, num_hidden_layers=1, mask_token_id=127,
+                                                     block_size=6)).eval()
+    drafter.oracle, drafter.error_rate = oracle_from(plain, mask), 0.3
+    stats = DecodeStats()
+    spec = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                          logits_processor=penalty, custom_generate=custom_generate, drafter=drafter,
+                          draft_confidence=0.0, dscale_stats=stats)
+    assert torch.equal(plain, spec), kind
+    assert stats.tau > 1.5  # drafts were accepted: rows rolled back to different lengths
+
+def test_trees_are_refused_by_name_before_decoding():
+    model = _target("qwen3_5_text")
+    drafter = OracleDrafter(DScaleConfig.from_target(model.config, num_hidden_layers=1, mask_token_id=127)).eval()
+    ids, mask = unevenly_padded(1, length=8)
+    with pytest.raises(ValueError, match=r"conv window or recurrent state.*token trees"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=custom_generate,
+                       drafter=drafter, draft_tree=True)
