@@ -1,5 +1,5 @@
 """`hf-dscale sweep`: every causal-LM class of the installed transformers, built tiny, decoded through the engine and
-`assistant_model=` against plain `generate()` (`hf_dscale.sweep`); writes the docs table and a JSON report."""
+`assistant_model=` against plain `generate()` (`hf_dscale.sweep`); writes the README's table and a JSON report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="decode every causal-LM class transformers registers, tiny and random")
-    p.add_argument("--markdown", default=None, help="write the table here (docs/targets.md)")
+    p.add_argument("--readme", default=None, help="write the table into this file between its "
+                   "<!-- targets:start --> and <!-- targets:end --> markers (README.md)")
     p.add_argument("--json", default=None, help="write every verdict here")
     p.add_argument("--only", nargs="*", default=None, help="model types to check (default: all)")
     p.add_argument("--workers", type=int, default=2, help="processes (default 2)")
@@ -21,7 +22,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import transformers
 
-    from ..sweep import markdown, summary, sweep
+    from ..sweep import readme_section, replace_section, summary, sweep
 
     def progress(verdict):
         worst = next(iter(verdict.failures.values()), None)
@@ -31,9 +32,11 @@ def main(args) -> int:
     verdicts = sweep(args.only, workers=args.workers, timeout_s=args.timeout, progress=progress)
     counts = summary(verdicts)
     print(json.dumps(counts))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(verdicts, transformers.__version__, "hf-dscale sweep --markdown docs/targets.md"))
+    if args.readme:
+        with open(args.readme) as f:
+            text = replace_section(f.read(), readme_section(verdicts, transformers.__version__))
+        with open(args.readme, "w") as f:
+            f.write(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "summary": counts,

@@ -203,12 +203,17 @@ def _unsupported(name: str, blocks, by_block: list, cache) -> str | None:
     return None
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two logit vectors differ by more than rounding (the same row computed in another batch of tokens)."""
+    return bool((a - b).abs().max() > 1e-4 * a.abs().max().clamp_min(1.0))
+
+
 def _not_causal(target: nn.Module) -> str | None:
     """Why the target is not causal (a token's output depends on a later token), or None."""
     device = next(target.parameters()).device
     first = [target(input_ids=torch.tensor([[4, later]], device=device), use_cache=False).logits[0, 0]
              for later in (5, 6)]
-    if torch.equal(*first):
+    if not _differ(*first):
         return None
     return (f"Unsupported target class {_name(target)}: its attention is bidirectional (a token's output changes with "
             "a later token: an encoder loaded without is_decoder=True?), so a verify of several tokens would let "
@@ -217,16 +222,22 @@ def _not_causal(target: nn.Module) -> str | None:
 
 
 def _reads_position_ids(target: nn.Module) -> bool:
-    """Whether the target's positions are the `position_ids` `generate()` hands it: its forward names them, and the
-    same four tokens at positions 0, 1, 2, 3 and at 0, 1, 2, 7 give different last logits. A model that counts
-    positions from its cache columns (Marian, Pegasus, Whisper's decoder) does not."""
+    """Whether a batch may hold masked columns in the target's attention: `generate()` hands its forward
+    position_ids (its signature names them), and a masked column changes nothing: four tokens at positions 0-3, and
+    the same after a masked column (at the position the engine gives it), give the same last logits. A model that
+    counts positions from its cache columns (Marian, Pegasus, Whisper's decoder) does not; one that reads its
+    position_ids, or has none (Granite 4's NoPE attention), does. (A layer with a recurrent state never sees the
+    engine's holes: it is rolled back instead.)"""
     if "position_ids" not in inspect.signature(target.forward).parameters:
         return False  # generate() then hands it none, and the model counts columns
     device = next(target.parameters()).device
-    ids = torch.tensor([[4, 5, 6, 7]], device=device)
-    logits = [target(input_ids=ids, position_ids=torch.tensor([gap], device=device), use_cache=False).logits[0, -1]
-              for gap in ([0, 1, 2, 3], [0, 1, 2, 7])]
-    return not torch.equal(*logits)
+
+    def last(ids, mask, positions):
+        return target(input_ids=torch.tensor([ids], device=device), attention_mask=torch.tensor([mask], device=device),
+                      position_ids=torch.tensor([positions], device=device), use_cache=False).logits[0, -1]
+
+    return not _differ(last([4, 5, 6, 7], [1, 1, 1, 1], [0, 1, 2, 3]),
+                       last([9, 4, 5, 6, 7], [0, 1, 1, 1, 1], [0, 0, 1, 2, 3]))
 
 
 def _rollback_unsupported(target: nn.Module, cache) -> str | None:

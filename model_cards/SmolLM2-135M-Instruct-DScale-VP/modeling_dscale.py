@@ -183,6 +183,7 @@ class DScaleAttention(nn.Module):
     def __init__(self, config: DScaleConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = config.window(layer_idx)  # None: full attention
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -210,6 +211,7 @@ class DScaleAttention(nn.Module):
         context_rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None,
         attention_mask: torch.Tensor | None,  # [B, 1, Q, C + Q] bool, True = attend
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,  # the block's [B, Q] and new context's [B, S]
     ) -> torch.Tensor:
         q = apply_rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)), *block_rope)
         kb = apply_rope(self.k_norm(self._heads(self.k_proj(hidden), self.num_kv_heads)), *block_rope)
@@ -222,11 +224,33 @@ class DScaleAttention(nn.Module):
             k, v = cache.extend(self.layer_idx, kc, vc, kb, vb)
         else:
             k, v = _join(kc, kb), _join(vc, vb)
+        if self.window is not None:
+            attention_mask = windowed(attention_mask, *positions, k.shape[-2], self.window)
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+def windowed(mask: torch.Tensor | None, positions: torch.Tensor, context_positions: torch.Tensor, keys: int,
+             window: int) -> torch.Tensor:
+    """A sliding layer's mask [B, 1, Q, C + Q]: `mask` (None: every key) and, as z-lab's drafter attends with
+    flash attention's window (w - 1 positions on each side), only the keys less than `window` positions from the
+    query. The block's queries and last Q keys are at `positions` [B, Q]. The C context keys before them are at
+    their columns' positions: where `mask` has holes, each row's count of valid columns before the column; else
+    the new context's `context_positions` [B, S] for the last S columns, and the column index before them."""
+    b, q = positions.shape
+    c = keys - q
+    if mask is not None:
+        context = mask[:, 0, 0, :c].expand(b, -1).long().cumsum(-1) - 1
+    else:
+        s = context_positions.shape[1]
+        earlier = torch.arange(c - s, device=positions.device).expand(b, -1)
+        context = torch.cat((earlier, context_positions.expand(b, -1)), dim=1)
+    key_pos = torch.cat((context, positions), dim=1)  # [B, C + Q]
+    near = (positions[:, :, None] - key_pos[:, None, :]).abs() < window  # [B, Q, C + Q]
+    return near[:, None] if mask is None else mask & near[:, None]
 
 
 class DScaleMLP(nn.Module):
@@ -248,9 +272,9 @@ class DScaleDecoderLayer(nn.Module):
         self.input_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, context, block_rope, context_rope, cache, attention_mask):
+    def forward(self, hidden, context, block_rope, context_rope, cache, attention_mask, positions=None):
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context, block_rope, context_rope, cache, attention_mask
+            self.input_layernorm(hidden), context, block_rope, context_rope, cache, attention_mask, positions
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -422,18 +446,24 @@ class DScaleDrafter(DScalePreTrainedModel):
                 f"Drafter hidden_size {cfg.hidden_size} != target hidden_size {text.hidden_size}: this drafter was "
                 "trained for another target."
             )
+        if embed.weight.shape[1] != cfg.hidden_size or head.weight.shape[1] != cfg.hidden_size:
+            raise ValueError(
+                f"{type(target).__name__}'s token embeddings are {embed.weight.shape[1]} wide and its LM head reads "
+                f"{head.weight.shape[1]}, not its hidden size {cfg.hidden_size} (a projected embedding, as in "
+                "ELECTRA): the drafter embeds its block with the target's table and reads it with the target's head, "
+                "so both must be hidden-size wide."
+            )
         if embed.weight.shape[0] != cfg.vocab_size or head.weight.shape[0] != cfg.vocab_size:
             raise ValueError(
                 f"Drafter vocab_size {cfg.vocab_size} != target vocabulary {embed.weight.shape[0]}: this drafter "
                 "was trained for another target."
             )
-        depth = text.num_hidden_layers
+        depth = len(tap_layers(target))  # raises for unsupported model classes
         bad = [i for i in cfg.target_layer_ids if not 0 <= i < depth - 1]
         if bad:
             raise ValueError(f"target_layer_ids {bad} do not exist in a {depth}-layer target (valid: 0..{depth - 2}).")
         if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
             raise ValueError(f"mask_token_id {cfg.mask_token_id} is not a row of the target's embedding table.")
-        tap_layers(target)  # raises for unsupported model classes
         self._handle = _TargetHandle(target)
         return self
 
@@ -511,7 +541,8 @@ class DScaleDrafter(DScalePreTrainedModel):
         context_rope = self.rotary(context_position_ids, hidden.dtype, seq_len)
         for i, layer in enumerate(self.layers):
             context = fused if self.fc is not None else fused[:, :, i]
-            hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask)
+            hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask,
+                           (block_position_ids, context_position_ids))
         return self.norm(hidden)
 
     def _native_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
@@ -626,23 +657,25 @@ class DScaleDrafter(DScalePreTrainedModel):
 
 
 def tap_layers(target: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM whose outputs can be tapped (Llama/Qwen/Mistral/Gemma/Phi-3-style
-    `model.layers`, found through `target.get_decoder()`). Raises ValueError naming the class and what is missing."""
+    """The decoder blocks of a causal LM whose outputs the drafter taps, wherever the model keeps them
+    (`model.layers` for Llama-style classes, `transformer.h` for GPT-2-style ones, ...): the decoder's `layers`
+    where it has them, else the one ModuleList in the model as long as its config's depth. Raises ValueError naming
+    the class and what is missing."""
     name = type(target).__name__
-    if not callable(getattr(target, "get_decoder", None)):
-        raise ValueError(
-            f"Unsupported target class {name}: it has no get_decoder(), through which hf_dscale finds the decoder "
-            "layers (`model.layers`) whose hidden states it taps; use a decoder-only *ForCausalLM class."
-        )
-    decoder = target.get_decoder()
+    decoder = target.get_decoder() if callable(getattr(target, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    depth = getattr(text, "decoder_layers", None) or getattr(text, "num_hidden_layers", None)
+    found = [m for m in target.modules() if isinstance(m, nn.ModuleList) and len(m) == depth] if depth else []
+    if len(found) != 1:
         raise ValueError(
-            f"Unsupported target class {name}: its decoder ({type(decoder).__name__}) has no `layers` ModuleList "
-            "(`model.layers`), whose outputs hf_dscale taps; supported are decoder-only causal LMs that keep their "
-            "blocks there (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, ...)."
+            f"Unsupported target class {name}: hf_dscale taps the outputs of its decoder blocks, but found "
+            f"{len(found)} lists of {depth} blocks in it (none under get_decoder().layers); supported are "
+            "decoder-only causal LMs with one list of blocks (`model.layers`, `transformer.h`, ...)."
         )
-    return layers
+    return found[0]
 
 
 __all__ = ["DScaleDrafter", "DScalePreTrainedModel", "DraftContextCache", "DraftVocab", "tap_layers"]

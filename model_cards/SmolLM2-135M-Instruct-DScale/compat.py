@@ -10,6 +10,11 @@
   seen with `cache.layer_class_to_replicate()`; the engine's `position_cache` gives it layers whose keys and values
   are views of buffers allocated ahead (`PositionLayer`), and keeps only the accepted paths of verified token
   trees by rewriting them in place (`keep_paths`).
+* Layers that fold tokens into a state (linear attention, Mamba, short convolutions) keep it in a
+  `LinearAttentionCacheLayerMixin` layer (5.17+). After `activate_past_recording()` a layer keeps the conv window of
+  every token of a forward; since 5.25 `activate_past_recording(recurrent_states_to_keep=n)` also makes the model step
+  its recurrence one token at a time over the last n tokens of a forward and keep each step's state (read from the
+  method's signature: `records_recurrent_steps`). `keep_states` rolls each row back to its own accepted length.
 * `AssistedCandidateGenerator` reads the assistant's cache back as `past_key_values` before 5.24 and as
   `cache` since (see `DraftGenerateOutput` in assistant.py, which answers to both).
 
@@ -25,7 +30,12 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+try:  # 5.17+: the cache layers of recurrent, linear-attention and conv layers
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # pragma: no cover - older releases are outside the supported range
+    LinearAttentionCacheLayerMixin = None
 
 
 @lru_cache(maxsize=None)
@@ -160,10 +170,111 @@ def grow_columns(cache, capacity: int) -> None:
 
 
 def crop_to(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Keep the first `length` positions of every layer. A layer with a recurrent or conv state is left as it is
+    (`keep_states` rolled it back), apart from its token count."""
+    if not stateful_layers(cache):
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+        return
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                DynamicLayer.crop(layer, -extra)  # the K/V part alone of a layer that also keeps a state
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(length)
+
+
+def is_stateful(layer) -> bool:
+    """Whether a cache layer keeps a conv window or a recurrent state (besides any keys and values)."""
+    return LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def stateful_layers(cache) -> list[int]:
+    """The indices of a cache's layers that keep a conv window or a recurrent state."""
+    return [i for i, layer in enumerate(getattr(cache, "layers", ())) if is_stateful(layer)]
+
+
+def records_recurrent_steps() -> bool:
+    """Whether the installed transformers can keep a recurrent state per token of a forward (5.25+): its layers'
+    `activate_past_recording` takes `recurrent_states_to_keep`."""
+    if LinearAttentionCacheLayerMixin is None:
+        return False
+    return "recurrent_states_to_keep" in inspect.signature(
+        LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+
+
+def hybrid_cache(config, capacity: int = 0) -> DynamicCache:
+    """The cache of a target with stateful layers: transformers' own layers for those (as `generate()` builds them
+    from `config`), `PositionLayer`s for the attention layers (every position kept; the engine's masks apply any
+    window). Raises ValueError for a layer that keeps a state and a sliding window of keys together."""
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+            cache.layers[i] = PositionLayer(capacity)
+        elif is_stateful(layer) and isinstance(layer, DynamicSlidingWindowLayer):
+            raise ValueError(f"Layer {i} keeps a recurrent state and a sliding window of keys ({type(layer).__name__}); "
+                             "hf_dscale cannot roll such a layer back.")
+    return cache
+
+
+def record_states(cache, steps: int) -> None:
+    """After the prefill: make the stateful layers keep every token's conv window and, where transformers can,
+    the recurrent state after each of the last `steps` tokens of a forward (the widest verify), for `keep_states`."""
+    if records_recurrent_steps():
+        cache.activate_past_recording(recurrent_states_to_keep=steps)
+    else:
+        for i in stateful_layers(cache):
+            cache.layers[i].activate_past_recording()
+
+
+def keep_states(cache, kept: torch.Tensor) -> None:
+    """After a forward of N tokens per row: each stateful layer's conv window and recurrent state become those after
+    the first `kept[b]` (0..N) of them, row by row (the state before the forward for 0)."""
+    for i in stateful_layers(cache):
+        layer = cache.layers[i]
+        for s in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[s]:
+                full, kernel = layer.conv_states[s], layer.conv_kernel_size[s]  # [B, C, kernel + N]
+                at = (kept.to(full.device)[:, None] + torch.arange(kernel, device=full.device))[:, None, :]
+                layer.conv_states[s] = full.gather(-1, at.expand(full.shape[0], full.shape[1], kernel))
+            if layer.is_recurrent_states_initialized[s]:
+                history = layer.recurrent_states_history[s]  # the state before the forward, then after each token
+                current = layer.recurrent_states[s]
+                steps = torch.stack([*history, current])  # [N + 1, B, ...]
+                rows = torch.arange(current.shape[0], device=current.device)
+                current.copy_(steps[kept.to(current.device), rows])
+                layer.recurrent_states_history[s] = []
+
+
+def recurrent_steps_recorded(cache, tokens: int) -> str | None:
+    """After a forward of `tokens` tokens with recording on: why some stateful layer did not keep what `keep_states`
+    needs (None: every one did)."""
+    for i in stateful_layers(cache):
+        layer = cache.layers[i]
+        for s in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[s] and \
+                    layer.conv_states[s].shape[-1] != layer.conv_kernel_size[s] + tokens:
+                return f"layer {i} did not keep the conv window of each token of a forward"
+            if layer.is_recurrent_states_initialized[s]:
+                if not records_recurrent_steps():
+                    return (f"layer {i} keeps a recurrent state, which transformers {transformers.__version__} cannot "
+                            "keep per token (5.25 and newer can)")
+                if len(layer.recurrent_states_history[s]) != tokens:
+                    return f"layer {i} did not keep its recurrent state after each token of a forward"
+    return None
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep the batch rows `index` in every layer (transformers' `batch_select_indices`, and the stateful layers'
+    `reorder_cache`, which they have instead)."""
+    for layer in cache.layers:
+        if is_stateful(layer):  # the states alone (a layer that also keeps K/V may reorder both in its own method)
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, index)
+        if isinstance(layer, DynamicLayer):
+            DynamicLayer.batch_select_indices(layer, index)
 
 
 def keep_paths(cache, start: int, index: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 FUSIONS = ("layerwise", "shared")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE types the drafter computes with transformers' own `ROPE_INIT_FUNCTIONS` ("default" is computed here).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -52,6 +53,54 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     return [int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps)]
 
 
+def _read(config, name: str):
+    """`config.name`, or None where the config has no such value (or keeps it per layer, as Gemma 4 does)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers raises its own error for a per-layer attribute read globally
+        return None
+
+
+def _head_dim(config) -> int | None:
+    """The target's head size: `head_dim`, or where it is per layer, that of its first full-attention layer."""
+    found = _read(config, "head_dim")
+    if isinstance(found, int):
+        return found
+    per_layer, kinds = _read(config, "per_layer_config"), _read(config, "layer_types") or []
+    if per_layer is None:
+        return None
+    index = kinds.index("full_attention") if "full_attention" in kinds else 0
+    return _read(per_layer[index], "head_dim")
+
+
+def _drafter_rope(rope: dict) -> dict:
+    """The RoPE a new drafter takes from a target's `rope_parameters`: the full-attention layers' where they are
+    kept per layer type (Gemma 3/4), or another kind's whose type the drafter computes, else only the theta."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        kinds = [rope.get("full_attention")] + [v for k, v in rope.items() if k != "full_attention"]
+        usable = [k for k in kinds if k and k.get("rope_type", "default") in ROPE_TYPES]
+        rope = usable[0] if usable else {"rope_theta": (kinds[0] or {}).get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        rope = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    return rope
+
+
+def _check_layer_types(layer_types, sliding_window, num_hidden_layers: int, use_sliding_window) -> None:
+    """A ValueError that says what is wrong with a drafter's `layer_types` and `sliding_window` (None: nothing)."""
+    if use_sliding_window:
+        raise ValueError("use_sliding_window: true does not say which draft layers slide; name them in layer_types "
+                         "(\"full_attention\" or \"sliding_attention\" per layer) with a sliding_window.")
+    if layer_types is None:
+        return
+    if len(layer_types) != num_hidden_layers or set(layer_types) - set(LAYER_TYPES):
+        raise ValueError(f"layer_types must hold one of {LAYER_TYPES} per draft layer ({num_hidden_layers}); got "
+                         f"{layer_types}.")
+    if "sliding_attention" in layer_types and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                               or sliding_window < 1):
+        raise ValueError(f"layer_types has sliding_attention layers, so sliding_window must be a number of positions "
+                         f"(1 or more); got {sliding_window!r}.")
+
+
 class DScaleConfig(PretrainedConfig):
     r"""A block-diffusion drafter conditioned on hidden states of a target model.
 
@@ -76,8 +125,11 @@ class DScaleConfig(PretrainedConfig):
             None = plain RoPE with `rope_theta`. The 4.x name `rope_scaling` is accepted too. The drafter
             uses the target's RoPE, including cos/sin scaling (YaRN's `attention_factor`).
 
-    The drafter's layers attend to the whole context: a config that asks for sliding-window attention
-    (`layer_types`, `use_sliding_window`) is refused.
+        layer_types: per draft layer, "full_attention" or "sliding_attention" (z-lab's current layout); None = all
+            full. A sliding layer's queries see the keys (context and block) less than `sliding_window` positions
+            away, as z-lab's drafter computes with flash attention's window. Qwen2's `use_sliding_window` is refused:
+            name the layers in `layer_types` instead.
+        sliding_window: the window of the sliding layers, in positions.
     """
 
     model_type = "dscale"
@@ -106,8 +158,12 @@ class DScaleConfig(PretrainedConfig):
         prefix_prior: float | None = None,
         draft_vocab_size: int | None = None,
         rope_parameters: dict | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
         **kwargs,
     ):
+        self.layer_types = None if layer_types is None else list(layer_types)
+        self.sliding_window = sliding_window
         rope = normalise_rope(rope_parameters, kwargs.pop("rope_scaling", None))
         if rope is not None:
             rope_theta = rope.get("rope_theta", rope_theta)
@@ -134,6 +190,7 @@ class DScaleConfig(PretrainedConfig):
         self.prefix_prior = prefix_prior
         self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
+        _check_layer_types(self.layer_types, sliding_window, num_hidden_layers, kwargs.get("use_sliding_window"))
         super().__init__(**kwargs)
         self.rope_parameters = rope  # after the base class, whose RoPE standardisation differs across 5.x
 
@@ -180,37 +237,51 @@ class DScaleConfig(PretrainedConfig):
                 f"rope_parameters has rope_type {rope_type!r}; the drafter supports {ROPE_TYPES}. Use a target "
                 "whose RoPE is one of these, or set rope_parameters to the nearest supported type."
             )
-        sliding = sliding_attention_in(vars(self))
-        if sliding:
-            raise ValueError(
-                f"The drafter's layers are full attention, but its config asks for sliding-window attention: "
-                f"{sliding}. Remove those keys (or set layer_types to full_attention) to load it with full "
-                "attention; it then differs from sliding attention only on contexts longer than the window."
-            )
+
+    def window(self, layer: int) -> int | None:
+        """The window of draft layer `layer` in positions, None for full attention."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,
                     fusion: str = "layerwise", mask_token_id: int | None = None, **kwargs) -> "DScaleConfig":
-        """A drafter config whose width, heads and RoPE follow `target_config` (a Llama/Qwen3-style config)."""
+        """A drafter config whose width, heads and RoPE follow `target_config`: a Llama/Qwen3-style config, a GPT-2-style
+        one (`n_embd`, `n_inner`, read through transformers' attribute maps) or one whose head size is per layer (Gemma
+        4: its full-attention layers' head size). Where the target's RoPE is of a type the drafter does not compute,
+        the drafter takes another layer kind's, or the plain one with the target's theta. Raises ValueError naming
+        a size it cannot read."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        n = text.num_hidden_layers
+        hidden, heads, n = (_read(text, name) for name in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        n = _read(text, "decoder_layers") or n  # the decoder half of an encoder-decoder family (Bart, Marian)
+        heads = _read(text, "decoder_attention_heads") or heads
+        missing = [name for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                                            ("num_hidden_layers", n)) if not isinstance(value, int)]
+        if missing:
+            raise ValueError(f"DScaleConfig.from_target cannot read {missing} from a {type(text).__name__}; pass a "
+                             "causal LM's config with a hidden size, a head count and a depth.")
         num_taps = num_taps or (9 if fusion == "layerwise" else 5)
         num_taps = min(num_taps, max(1, n - 3))
-        rope = getattr(text, "rope_parameters", None) or {}
-        if set(rope) <= {"full_attention", "sliding_attention"} and rope:  # per layer type (Gemma 3): the full layers'
-            rope = rope.get("full_attention") or {}
-        rope_theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        head_dim = _head_dim(text) or hidden // heads
+        if head_dim % 2:  # RoPE rotates pairs: the drafter takes the nearest head count with an even head size
+            heads = max(h for h in range(1, heads + 1) if hidden % h == 0 and (hidden // h) % 2 == 0)
+            head_dim = hidden // heads
+        kv_heads = _read(text, "num_key_value_heads") or heads
+        kv_heads = kv_heads if heads % kv_heads == 0 else heads
+        rope = _drafter_rope(_read(text, "rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", _read(text, "rope_theta") or 10000.0)
         fields = dict(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            hidden_size=hidden,
+            intermediate_size=_read(text, "intermediate_size") or _read(text, "n_inner") or 4 * hidden,
             num_hidden_layers=num_hidden_layers,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_read(text, "rms_norm_eps") or _read(text, "layer_norm_epsilon") or 1e-6,
             rope_theta=rope_theta,
             rope_parameters=normalise_rope(dict(rope)),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 8192),
+            max_position_embeddings=_read(text, "max_position_embeddings") or 8192,
             vocab_size=text.vocab_size,
             target_layer_ids=build_target_layer_ids(n, num_taps),
             num_target_layers=n,

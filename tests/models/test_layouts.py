@@ -295,14 +295,10 @@ def test_unsupported_rope_type_is_refused(qwen3):
 
 
 @pytest.mark.parametrize("layout, change, found", [
-    ("native", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
-    ("native", dict(sliding_window=64), "sliding_window"),
-    ("dflash", dict(use_sliding_window=True, sliding_window=64, layer_types=...), "use_sliding_window"),
-    ("dflash", dict(layer_types=["sliding_attention"] * 2), "layer_types"),
     ("transformers", dict(layer_types=...), "no layer_types"),
     ("transformers", dict(layer_types=["sliding_attention"] * 2), "layer_types"),
 ])
-def test_sliding_window_configs_are_refused_by_name(tmp_path, qwen3, layout, change, found):
+def test_transformers_sliding_window_configs_are_refused_by_name(tmp_path, qwen3, layout, change, found):
     export_drafter(tiny_drafter(qwen3, fusion=FUSION_OF[layout]), str(tmp_path), layout)
     edit_config(tmp_path, **change)
     with pytest.raises(ValueError, match="full attention") as error:
@@ -310,10 +306,62 @@ def test_sliding_window_configs_are_refused_by_name(tmp_path, qwen3, layout, cha
     assert found in str(error.value) and "layer_types" in str(error.value)
 
 
-def test_zlab_sliding_window_without_use_sliding_window_is_full_attention(tmp_path, qwen3):
+@pytest.mark.parametrize("change, message", [
+    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window must be a number"),
+    (dict(layer_types=["sliding_attention"], sliding_window=4), "layer_types"),
+    (dict(layer_types=["chunked_attention", "full_attention"], sliding_window=4), "chunked_attention"),
+    (dict(use_sliding_window=True, sliding_window=4), "name them in layer_types"),
+])
+def test_bad_native_window_configs_are_refused(tmp_path, qwen3, change, message):
+    drafter = tiny_drafter(qwen3)
+    drafter.save_pretrained(tmp_path)
+    edit_config(tmp_path, **change)
+    with pytest.raises(ValueError, match=message):
+        DScaleDrafter.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("change, types, window", [
+    (dict(sliding_window=4096, use_sliding_window=False, layer_types=...), None, None),  # a stock Qwen3 config
+    (dict(layer_types=["sliding_attention"] * 2), None, None),  # Qwen3Config drops the window without use_sliding_window
+    (dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, layer_types=...),
+     ["full_attention", "sliding_attention"], 6),  # layer_types derived from max_window_layers, as Qwen3Config does
+    (dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+     ["sliding_attention", "full_attention"], 6),  # z-lab's current drafters
+])
+def test_zlab_layer_types_are_read_as_zlab_computes_them(tmp_path, qwen3, change, types, window):
     export_drafter(tiny_drafter(qwen3, fusion="shared"), str(tmp_path), "dflash")
-    edit_config(tmp_path, sliding_window=4096, use_sliding_window=False, layer_types=...)  # a stock Qwen3 config
-    assert DScaleDrafter.from_pretrained(tmp_path).config.fusion == "shared"
+    edit_config(tmp_path, **change)
+    config = DScaleDrafter.from_pretrained(tmp_path).config
+    assert (config.layer_types if types else None, config.sliding_window if types else None) == (types, window)
+    assert [config.window(i) for i in range(2)] == [window if t == "sliding_attention" else None
+                                                   for t in (types or ["full_attention"] * 2)]
+
+
+def test_a_sliding_draft_layer_sees_only_the_keys_within_its_window(tmp_path, qwen3):
+    """A one-layer sliding drafter against the same weights at full attention, each block query run alone with the
+    context keys its window (w - 1 positions back, as z-lab's flash attention) leaves it: equal outputs. A round
+    trip through z-lab's layout keeps the window."""
+    torch.manual_seed(3)
+    full = DScaleDrafter(DScaleConfig.from_target(qwen3.config, num_hidden_layers=1, fusion="shared",
+                                                  mask_token_id=95, block_size=4)).eval().bind_target(qwen3)
+    sliding = DScaleDrafter(DScaleConfig.from_target(qwen3.config, num_hidden_layers=1, fusion="shared",
+                                                     mask_token_id=95, block_size=4,
+                                                     layer_types=["sliding_attention"], sliding_window=6))
+    sliding.load_state_dict(full.state_dict())
+    export_drafter(sliding, str(tmp_path), "dflash")
+    sliding = DScaleDrafter.from_pretrained(tmp_path).eval().bind_target(qwen3)
+    assert sliding.config.window(0) == 6
+    c, h = 12, qwen3.config.hidden_size
+    taps = torch.randn(1, c, full.config.num_taps, h)
+    block = torch.randn(1, 4, h)
+    positions = torch.arange(c, c + 4)[None]
+    with torch.no_grad():
+        out = sliding(block, taps, positions, torch.arange(c)[None])
+        assert not torch.allclose(out, full(block, taps, positions, torch.arange(c)[None]), atol=1e-4)
+        for i in range(4):
+            first = c + i - 6 + 1  # the oldest context position within the window of query i
+            alone = full(block, taps[:, first:], positions, torch.arange(first, c)[None])
+            torch.testing.assert_close(out[0, i], alone[0, i], rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- refusals

@@ -8,6 +8,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 FUSIONS = ("layerwise", "shared")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE types the drafter computes with transformers' own `ROPE_INIT_FUNCTIONS` ("default" is computed here).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -84,6 +85,22 @@ def _drafter_rope(rope: dict) -> dict:
     return rope
 
 
+def _check_layer_types(layer_types, sliding_window, num_hidden_layers: int, use_sliding_window) -> None:
+    """A ValueError that says what is wrong with a drafter's `layer_types` and `sliding_window` (None: nothing)."""
+    if use_sliding_window:
+        raise ValueError("use_sliding_window: true does not say which draft layers slide; name them in layer_types "
+                         "(\"full_attention\" or \"sliding_attention\" per layer) with a sliding_window.")
+    if layer_types is None:
+        return
+    if len(layer_types) != num_hidden_layers or set(layer_types) - set(LAYER_TYPES):
+        raise ValueError(f"layer_types must hold one of {LAYER_TYPES} per draft layer ({num_hidden_layers}); got "
+                         f"{layer_types}.")
+    if "sliding_attention" in layer_types and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                               or sliding_window < 1):
+        raise ValueError(f"layer_types has sliding_attention layers, so sliding_window must be a number of positions "
+                         f"(1 or more); got {sliding_window!r}.")
+
+
 class DScaleConfig(PretrainedConfig):
     r"""A block-diffusion drafter conditioned on hidden states of a target model.
 
@@ -108,8 +125,11 @@ class DScaleConfig(PretrainedConfig):
             None = plain RoPE with `rope_theta`. The 4.x name `rope_scaling` is accepted too. The drafter
             uses the target's RoPE, including cos/sin scaling (YaRN's `attention_factor`).
 
-    The drafter's layers attend to the whole context: a config that asks for sliding-window attention
-    (`layer_types`, `use_sliding_window`) is refused.
+        layer_types: per draft layer, "full_attention" or "sliding_attention" (z-lab's current layout); None = all
+            full. A sliding layer's queries see the keys (context and block) less than `sliding_window` positions
+            away, as z-lab's drafter computes with flash attention's window. Qwen2's `use_sliding_window` is refused:
+            name the layers in `layer_types` instead.
+        sliding_window: the window of the sliding layers, in positions.
     """
 
     model_type = "dscale"
@@ -138,8 +158,12 @@ class DScaleConfig(PretrainedConfig):
         prefix_prior: float | None = None,
         draft_vocab_size: int | None = None,
         rope_parameters: dict | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
         **kwargs,
     ):
+        self.layer_types = None if layer_types is None else list(layer_types)
+        self.sliding_window = sliding_window
         rope = normalise_rope(rope_parameters, kwargs.pop("rope_scaling", None))
         if rope is not None:
             rope_theta = rope.get("rope_theta", rope_theta)
@@ -166,6 +190,7 @@ class DScaleConfig(PretrainedConfig):
         self.prefix_prior = prefix_prior
         self.draft_vocab_size = draft_vocab_size
         kwargs.setdefault("tie_word_embeddings", False)
+        _check_layer_types(self.layer_types, sliding_window, num_hidden_layers, kwargs.get("use_sliding_window"))
         super().__init__(**kwargs)
         self.rope_parameters = rope  # after the base class, whose RoPE standardisation differs across 5.x
 
@@ -212,13 +237,12 @@ class DScaleConfig(PretrainedConfig):
                 f"rope_parameters has rope_type {rope_type!r}; the drafter supports {ROPE_TYPES}. Use a target "
                 "whose RoPE is one of these, or set rope_parameters to the nearest supported type."
             )
-        sliding = sliding_attention_in(vars(self))
-        if sliding:
-            raise ValueError(
-                f"The drafter's layers are full attention, but its config asks for sliding-window attention: "
-                f"{sliding}. Remove those keys (or set layer_types to full_attention) to load it with full "
-                "attention; it then differs from sliding attention only on contexts longer than the window."
-            )
+
+    def window(self, layer: int) -> int | None:
+        """The window of draft layer `layer` in positions, None for full attention."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,

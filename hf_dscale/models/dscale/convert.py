@@ -221,7 +221,8 @@ def config_from_reference(config: dict, layout: str, state: dict, path: str = "t
     if layout == "transformers" and "layer_types" not in config:
         sliding = "no layer_types (MuseGlimmerAssistantConfig then makes every layer sliding_attention)"
     else:
-        sliding = sliding_attention_in(config, bare_window_slides=layout == "transformers")
+        sliding = None if layout == "dflash" else sliding_attention_in(config,
+                                                                       bare_window_slides=layout == "transformers")
     if sliding:
         raise ValueError(
             f"{path}: the drafter's layers are full attention, but this {layout} checkpoint asks for sliding-window "
@@ -248,6 +249,7 @@ def config_from_reference(config: dict, layout: str, state: dict, path: str = "t
     if layers != config["num_hidden_layers"]:
         raise ValueError(f"{path}: config.json says num_hidden_layers={config['num_hidden_layers']} but the weights "
                          f"hold {layers} layers; the config does not belong to these weights.")
+    layer_types, window = _zlab_attention(config) if layout == "dflash" else (None, None)
     ids = config.get("target_layer_ids") if layout == "transformers" else extra.get("target_layer_ids")
     ids = ids if ids is not None else config.get("target_layer_ids")
     num_target_layers = config.get("num_target_layers")
@@ -291,7 +293,24 @@ def config_from_reference(config: dict, layout: str, state: dict, path: str = "t
         mask_token_id=config.get("mask_token_id") if layout == "transformers" else extra.get(
             "mask_token_id", config.get("mask_token_id")),
         draft_vocab_size=None if vocab is None else vocab.numel(),
+        layer_types=layer_types,
+        sliding_window=window,
     )
+
+
+def _zlab_attention(config: dict) -> tuple[list[str] | None, int | None]:
+    """The draft layers' attention as z-lab's `DFlashDraftModel` computes it: its config is transformers'
+    `Qwen3Config`, which keeps `sliding_window` only with `use_sliding_window: true` and derives `layer_types` from
+    `max_window_layers` where they are not given, and each layer with `layer_types[i] == "sliding_attention"` passes
+    that window to its attention. (layer_types, window), or (None, None) where no layer slides."""
+    from transformers import Qwen3Config
+
+    keys = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")
+    qwen = Qwen3Config(num_hidden_layers=config["num_hidden_layers"], **{k: config[k] for k in keys if k in config})
+    types, window = list(qwen.layer_types), qwen.sliding_window
+    if window is None or "sliding_attention" not in types:
+        return None, None
+    return types, window
 
 
 def _strict_load(model, state: dict, path: str, layout: str) -> None:
@@ -367,12 +386,17 @@ def reference_config(cfg: DScaleConfig, layout: str) -> dict:
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
     }
+    slides = cfg.layer_types is not None and "sliding_attention" in cfg.layer_types
+    if layout == "dflash" and slides:  # z-lab's Qwen3Config keeps the window only with use_sliding_window
+        common["layer_types"] = list(cfg.layer_types)
+    elif slides:
+        raise ValueError(f"The {layout} layout has no sliding-window draft layers; export this drafter as dflash.")
     if layout == "transformers":
         return {**common, "model_type": TRANSFORMERS_MODEL_TYPE, "mask_token_id": cfg.mask_token_id,
                 "target_layer_ids": list(cfg.target_layer_ids), "sliding_window": cfg.max_position_embeddings,
                 "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    config = {**common, "model_type": "qwen3", "attention_bias": False, "use_sliding_window": False,
-              "sliding_window": None, "tie_word_embeddings": False,
+    config = {**common, "model_type": "qwen3", "attention_bias": False, "use_sliding_window": slides,
+              "sliding_window": cfg.sliding_window if slides else None, "tie_word_embeddings": False,
               "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}}
     if layout in AUTO_MAPS:
         config["auto_map"] = AUTO_MAPS[layout]

@@ -183,6 +183,7 @@ class DScaleAttention(nn.Module):
     def __init__(self, config: DScaleConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = config.window(layer_idx)  # None: full attention
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -210,6 +211,7 @@ class DScaleAttention(nn.Module):
         context_rope: tuple[torch.Tensor, torch.Tensor],
         cache: DraftContextCache | None,
         attention_mask: torch.Tensor | None,  # [B, 1, Q, C + Q] bool, True = attend
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,  # the block's [B, Q] and new context's [B, S]
     ) -> torch.Tensor:
         q = apply_rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)), *block_rope)
         kb = apply_rope(self.k_norm(self._heads(self.k_proj(hidden), self.num_kv_heads)), *block_rope)
@@ -222,11 +224,33 @@ class DScaleAttention(nn.Module):
             k, v = cache.extend(self.layer_idx, kc, vc, kb, vb)
         else:
             k, v = _join(kc, kb), _join(vc, vb)
+        if self.window is not None:
+            attention_mask = windowed(attention_mask, *positions, k.shape[-2], self.window)
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+
+
+def windowed(mask: torch.Tensor | None, positions: torch.Tensor, context_positions: torch.Tensor, keys: int,
+             window: int) -> torch.Tensor:
+    """A sliding layer's mask [B, 1, Q, C + Q]: `mask` (None: every key) and, as z-lab's drafter attends with
+    flash attention's window (w - 1 positions on each side), only the keys less than `window` positions from the
+    query. The block's queries and last Q keys are at `positions` [B, Q]. The C context keys before them are at
+    their columns' positions: where `mask` has holes, each row's count of valid columns before the column; else
+    the new context's `context_positions` [B, S] for the last S columns, and the column index before them."""
+    b, q = positions.shape
+    c = keys - q
+    if mask is not None:
+        context = mask[:, 0, 0, :c].expand(b, -1).long().cumsum(-1) - 1
+    else:
+        s = context_positions.shape[1]
+        earlier = torch.arange(c - s, device=positions.device).expand(b, -1)
+        context = torch.cat((earlier, context_positions.expand(b, -1)), dim=1)
+    key_pos = torch.cat((context, positions), dim=1)  # [B, C + Q]
+    near = (positions[:, :, None] - key_pos[:, None, :]).abs() < window  # [B, Q, C + Q]
+    return near[:, None] if mask is None else mask & near[:, None]
 
 
 class DScaleMLP(nn.Module):
@@ -248,9 +272,9 @@ class DScaleDecoderLayer(nn.Module):
         self.input_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DScaleRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, context, block_rope, context_rope, cache, attention_mask):
+    def forward(self, hidden, context, block_rope, context_rope, cache, attention_mask, positions=None):
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context, block_rope, context_rope, cache, attention_mask
+            self.input_layernorm(hidden), context, block_rope, context_rope, cache, attention_mask, positions
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -517,7 +541,8 @@ class DScaleDrafter(DScalePreTrainedModel):
         context_rope = self.rotary(context_position_ids, hidden.dtype, seq_len)
         for i, layer in enumerate(self.layers):
             context = fused if self.fc is not None else fused[:, :, i]
-            hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask)
+            hidden = layer(hidden, context, block_rope, context_rope, cache, attention_mask,
+                           (block_position_ids, context_position_ids))
         return self.norm(hidden)
 
     def _native_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
