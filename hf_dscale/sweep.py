@@ -371,11 +371,15 @@ def summary(verdicts: list[Verdict]) -> dict[str, int]:
 
 
 def _reason(said: str) -> str:
-    """A refusal's reason without the class name, layer numbers and the advice after it: what groups classes."""
-    said = re.sub(r"^refused: (no drafter: )?", r"\1", said)
+    """A refusal's reason without the class name, layer numbers, asides and the advice after it: what groups
+    classes."""
+    said = re.sub(r"^refused: ", "", said)
     said = re.sub(r"Unsupported target class \w+: |\w+For\w+'s |\w+For\w+ ", "", said)
-    said = re.sub(r" ?\[[^\]]*\]| ?\([^)]*\)", "", said)
-    return re.split(r"[;:]| Decode | Load |, so ", said)[0].strip().rstrip(".")
+    said = re.sub(r" ?\[(?:None|\d+)?(?:, (?:None|\d+))*\]", "", said)  # layer numbers and windows
+    said = re.sub(r"\b(a|an) \w+Config\b", "its config", said)
+    while re.search(r"\([^()]*\)", said):
+        said = re.sub(r" ?\([^()]*\)", "", said)
+    return re.split(r";| Decode | Load |, so ", said)[0].strip().rstrip(".:")
 
 
 def groups(verdicts: list[Verdict]) -> dict[str, list[str]]:
