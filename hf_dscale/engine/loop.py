@@ -233,7 +233,9 @@ class Engine:
                 trees.append(TokenTree([anchor], [-1], [0], [{}]))
                 continue
             extra, self.proposals[b] = proposers.lookup_paths(self.lookups[b], depth)
-            if vp is None:
+            if plan.single_path:  # the likelier of the drafter's chain and the lookup's, cut along it
+                paths = [proposers.likeliest(proposers.chain_paths(draft, b, depth) + extra)]
+            elif vp is None:
                 paths = proposers.own_tree_paths(draft, b, depth, k) + extra
             else:
                 spine, confidences, _, _ = read[b]
@@ -324,12 +326,13 @@ class Engine:
         self.anchors = torch.where(on, last, self.anchors)
         self.anchor_pos = self.anchor_pos + length
         if self.stateful:  # each row's conv windows and recurrent states as after its own accepted tokens
-            compat.keep_states(self.cache, length)
+            self.stats.state_bytes = max(self.stats.state_bytes, compat.keep_states(self.cache, length))
         self.advanced, self.unread, self.nodes = (start, width), True, outcome.nodes
 
     def options_read(self) -> int:
         """The own options per draft position the trees read (`Draft.on_host`'s k): the own tree's branches."""
-        return self.plan.num_branches if self.plan.tree and self.vp_drafter is None else 0
+        return self.plan.num_branches if self.plan.tree and not self.plan.single_path and self.vp_drafter is None \
+            else 0
 
     def read(self, outcome: Outcome, active: list[bool]) -> list[Walk | None]:
         """Every row's accepted path (a `Walk` per active row), and, when the next draft is already made

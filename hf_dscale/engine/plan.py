@@ -60,6 +60,7 @@ class Plan:
     compile_widths: tuple[int, ...] | None = None  # the verify runs compiled at these widths (None: eager)
     compile_s: float = 0.0  # what compiling cost (apart from calibrate_s)
     one_read: bool = False  # draft the next block before the cycle's read: one read a cycle (else two, fresher drafts)
+    single_path: bool = False  # a tree is one path a row: the drafter's chain or the prompt lookup's, the likelier
     reasons: tuple[str, ...] = field(default_factory=tuple)  # one line per decision
 
     @property
@@ -95,6 +96,8 @@ class Plan:
         """The method's name as `hf-dscale bench` reports it."""
         if vp:
             return "d2sd"
+        if self.single_path:
+            return "dscale-path+lookup" if self.prompt_lookup else "dscale"
         if self.tree:
             return "dscale-tree+lookup" if self.prompt_lookup else "dscale-tree"
         return "dscale"
@@ -155,16 +158,22 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     device = _device(target)
     reasons = []
     stateful = structure.of(target).stateful
+    single_path = False
     if stateful:  # each verified token's state is kept by stepping it; a tree's nodes would need one per branch
-        if vp_drafter is not None or tree or prompt_lookup or compile or direct_forward:
+        if vp_drafter is not None or tree or compile or direct_forward:
             raise ValueError(
                 f"{type(target).__name__} has layers {list(stateful)} that keep a conv window or recurrent state; on "
-                "such a target hf_dscale verifies chains with an eager forward, not yet token trees (vp_drafter, "
-                "draft_tree=True, prompt_lookup=True) or a compiled or direct verify (compile=True, "
-                "direct_forward=True). Leave those options unset.")
-        tree, prompt_lookup, compile, direct_forward = False, False, False, False
-        reasons.append(f"chain, eager: layers {list(stateful)} keep a conv window or recurrent state, rolled back per "
-                       "row to the accepted token (token trees would need a state per branch)")
+                "such a target hf_dscale verifies one path a row (the drafter's chain, or the prompt lookup's) with "
+                "an eager forward, not yet token trees (vp_drafter, draft_tree=True) or a compiled or direct verify "
+                "(compile=True, direct_forward=True). Leave those options unset.")
+        single_path = tree is None and not do_sample or bool(prompt_lookup)
+        tree = single_path
+        prompt_lookup = single_path if prompt_lookup is None else prompt_lookup
+        compile, direct_forward = False, False
+        reasons.append(f"one path a row, eager: layers {list(stateful)} keep a conv window or recurrent state, rolled "
+                       "back per row to the accepted token (token trees would need a state per branch)"
+                       + ("; each row verifies the drafter's chain or the prompt lookup's, whichever is likelier"
+                          if single_path else ""))
     if vp_drafter is not None:
         tree, lookup_default = True, False
         reasons.append("tree: a VP drafter was given (D²SD)")
@@ -177,7 +186,8 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                        "chain: sampling, whose rejection rule accepts a sampled chain best")
     else:
         lookup_default = False  # a method given is kept as given
-        reasons.append(f"{'tree' if tree else 'chain'}: given")
+        if not stateful:
+            reasons.append(f"{'tree' if tree else 'chain'}: given")
     if prompt_lookup is None:
         prompt_lookup = lookup_default and tree
     elif prompt_lookup and not tree:
@@ -244,7 +254,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                 min_drafts=cut.minimum, transposed=transposed, cpu_linear_widths=kernel_widths,
                 direct_widths=direct_widths, verify_costs=cut.costs,
                 calibrate_s=time.perf_counter() - start - compile_s, compile_widths=compile_widths,
-                compile_s=compile_s, one_read=bool(one_read), reasons=tuple(reasons))
+                compile_s=compile_s, one_read=bool(one_read), single_path=single_path, reasons=tuple(reasons))
 
 
 def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | None:

@@ -139,6 +139,11 @@ def vp_paths(spine: list[int], confidences: list[float], depth: int, prefixes: l
     return paths
 
 
+def likeliest(paths: list[Path]) -> Path:
+    """The path expected to keep the most tokens (the sum of its chances; unknown chances count as none)."""
+    return max(paths, key=lambda path: sum(path.chances[: len(path.tokens)]) if path.chances else 0.0)
+
+
 def select_nodes(paths: list[Path], costs: dict[int, float] | None, overhead: float = 0.0) -> list[list[int]]:
     """The nodes of the union of `paths` to verify, as token paths from the anchor.
 

@@ -22,6 +22,7 @@ class DecodeStats:
     other_s: float = 0.0
     compile_s: float = 0.0  # compiling the verify for a shape first met in this call (not in verify_s)
     plan: Any = None  # the engine's `Plan` (hf_dscale.engine), what was measured and chosen for the call
+    state_bytes: int = 0  # the most a verify kept of recurrent states and conv windows to roll rows back (0: none)
 
     @property
     def compile_total_s(self) -> float:
@@ -41,3 +42,4 @@ class DecodeStats:
         self.other_s += other.other_s
         self.compile_s += other.compile_s
         self.plan = other.plan if other.plan is not None else self.plan
+        self.state_bytes = max(self.state_bytes, other.state_bytes)

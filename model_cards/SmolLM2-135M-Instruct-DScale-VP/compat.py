@@ -230,23 +230,28 @@ def record_states(cache, steps: int) -> None:
             cache.layers[i].activate_past_recording()
 
 
-def keep_states(cache, kept: torch.Tensor) -> None:
+def keep_states(cache, kept: torch.Tensor) -> int:
     """After a forward of N tokens per row: each stateful layer's conv window and recurrent state become those after
-    the first `kept[b]` (0..N) of them, row by row (the state before the forward for 0)."""
+    the first `kept[b]` (0..N) of them, row by row (the state before the forward for 0). Returns the bytes the
+    forward kept to choose from (every token's conv window and recurrent state)."""
+    recorded = 0
     for i in stateful_layers(cache):
         layer = cache.layers[i]
         for s in range(layer.number_of_states):
             if layer.is_conv_states_initialized[s]:
                 full, kernel = layer.conv_states[s], layer.conv_kernel_size[s]  # [B, C, kernel + N]
+                recorded += full.numel() * full.element_size()
                 at = (kept.to(full.device)[:, None] + torch.arange(kernel, device=full.device))[:, None, :]
                 layer.conv_states[s] = full.gather(-1, at.expand(full.shape[0], full.shape[1], kernel))
             if layer.is_recurrent_states_initialized[s]:
                 history = layer.recurrent_states_history[s]  # the state before the forward, then after each token
                 current = layer.recurrent_states[s]
                 steps = torch.stack([*history, current])  # [N + 1, B, ...]
+                recorded += steps.numel() * steps.element_size()
                 rows = torch.arange(current.shape[0], device=current.device)
                 current.copy_(steps[kept.to(current.device), rows])
                 layer.recurrent_states_history[s] = []
+    return recorded
 
 
 def recurrent_steps_recorded(cache, tokens: int) -> str | None:

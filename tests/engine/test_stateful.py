@@ -89,6 +89,7 @@ def test_batched_chain_is_identical(kind):
                           draft_confidence=0.0, dscale_stats=stats)
     assert torch.equal(plain, spec), kind
     assert stats.tau > 1.5  # drafts were accepted: rows rolled back to different lengths
+    assert stats.state_bytes > 0  # what a verify kept to roll rows back, reported
 
 def test_trees_are_refused_by_name_before_decoding():
     model = _target("qwen3_5_text")
@@ -97,3 +98,22 @@ def test_trees_are_refused_by_name_before_decoding():
     with pytest.raises(ValueError, match=r"conv window or recurrent state.*token trees"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=custom_generate,
                        drafter=drafter, draft_tree=True)
+
+
+def test_the_prompt_lookup_path_carries_a_hybrid_where_the_drafter_fails():
+    """The default on such a target verifies one path a row: the drafter's chain or the prompt lookup's, the
+    likelier. With a drafter that proposes noise (and knows it: a flat distribution), the lookup's accepted tokens
+    are what raise tau above 1."""
+    model = _target("qwen3_5_text")
+    ids, mask = unevenly_padded(2, length=12)
+    ids[:, 6:] = ids[:, :6]  # a repeat: the lookup finds matches
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    drafter = OracleDrafter(DScaleConfig.from_target(model.config, num_hidden_layers=1, mask_token_id=127,
+                                                     block_size=6)).eval()
+    drafter.oracle, drafter.error_rate, drafter.boost = oracle_from(plain, mask), 1.0, 0.0
+    stats = DecodeStats()
+    spec = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                          custom_generate=custom_generate, drafter=drafter, dscale_stats=stats)
+    assert torch.equal(plain, spec)
+    assert stats.plan.single_path and stats.plan.prompt_lookup
+    assert stats.tau > 1.2, stats.tau
