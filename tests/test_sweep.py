@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from hf_dscale.models.dscale import compat
 from hf_dscale.sweep import sweep
 
 from .test_docs import README
@@ -45,8 +46,13 @@ def test_parity_with_transformers_own_speculation(verdicts):
     ours = [k for k in exact if all(s == "identical" for w, s in _engine(verdicts[k]).items() if w.endswith("b1"))]
     assert len(ours) >= 0.95 * len(exact), sorted(set(exact) - set(ours))
     for kind in HYBRIDS:
-        if kind in verdicts and verdicts[kind].built == "ok":
-            assert verdicts[kind].ways["engine b3"] == "identical", (kind, verdicts[kind].ways)
+        if kind not in verdicts or verdicts[kind].built != "ok":
+            continue
+        said = verdicts[kind].ways["engine b3"]
+        if compat.records_recurrent_steps():
+            assert said == "identical", (kind, verdicts[kind].ways)
+        else:  # 5.17-5.24 keep no per-token recurrent state: refused by name (a conv-only model still decodes)
+            assert said == "identical" or "per token" in said, (kind, said)
 
 
 def test_the_readme_table_holds(verdicts):

@@ -105,6 +105,12 @@ def _blocks_holding(target: nn.Module, modules: list[nn.Module]) -> nn.ModuleLis
     return None if best is None else best[1]
 
 
+def _tokens(target: nn.Module, ids: list[int]) -> torch.Tensor:
+    """[1, len(ids)] token ids inside the target's vocabulary (a tiny one may hold fewer than ten)."""
+    rows = target.get_input_embeddings().weight.shape[0]
+    return torch.tensor([[i % rows for i in ids]], device=next(target.parameters()).device)
+
+
 def _name(target: nn.Module) -> str:
     return type(target).__name__
 
@@ -119,8 +125,7 @@ def probe(target: nn.Module) -> Structure:
     AttentionInterface.register(PROBE, recorder)
     AttentionMaskInterface.register(PROBE, compat.sdpa_mask())
     before = compat.attention_implementation(target)
-    device = next(target.parameters()).device
-    ids = torch.tensor([[1, 2, 3]], device=device)
+    ids = _tokens(target, [1, 2, 3])
     try:
         target.set_attn_implementation(PROBE)
     except Exception as error:  # a model that fixes its attention (no attention interface)
@@ -169,8 +174,8 @@ def probe(target: nn.Module) -> Structure:
 
 
 def _refused(problem: str) -> Structure:
-    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(), positions=False, sinks=False,
-                     softcap=False, problem=problem)
+    return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(),
+                     positions=False, sinks=False, softcap=False, problem=problem)
 
 
 def _unsupported(name: str, blocks, by_block: list, cache) -> str | None:
@@ -210,8 +215,7 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _not_causal(target: nn.Module) -> str | None:
     """Why the target is not causal (a token's output depends on a later token), or None."""
-    device = next(target.parameters()).device
-    first = [target(input_ids=torch.tensor([[4, later]], device=device), use_cache=False).logits[0, 0]
+    first = [target(input_ids=_tokens(target, [4, later]), use_cache=False).logits[0, 0]
              for later in (5, 6)]
     if not _differ(*first):
         return None
@@ -233,7 +237,7 @@ def _reads_position_ids(target: nn.Module) -> bool:
     device = next(target.parameters()).device
 
     def last(ids, mask, positions):
-        return target(input_ids=torch.tensor([ids], device=device), attention_mask=torch.tensor([mask], device=device),
+        return target(input_ids=_tokens(target, ids), attention_mask=torch.tensor([mask], device=device),
                       position_ids=torch.tensor([positions], device=device), use_cache=False).logits[0, -1]
 
     return not _differ(last([4, 5, 6, 7], [1, 1, 1, 1], [0, 1, 2, 3]),
@@ -246,7 +250,7 @@ def _rollback_unsupported(target: nn.Module, cache) -> str | None:
     compat.record_states(cache, 2)
     device = next(target.parameters()).device
     try:
-        target(input_ids=torch.tensor([[4, 5]], device=device), position_ids=torch.tensor([[3, 4]], device=device),
+        target(input_ids=_tokens(target, [4, 5]), position_ids=torch.tensor([[3, 4]], device=device),
                use_cache=True, **compat.cache_kwargs(target, cache))
     except Exception as error:
         return (f"Unsupported target class {_name(target)}: a forward of two tokens while its cache records each "

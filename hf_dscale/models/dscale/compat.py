@@ -215,8 +215,8 @@ def hybrid_cache(config, capacity: int = 0) -> DynamicCache:
         if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
             cache.layers[i] = PositionLayer(capacity)
         elif is_stateful(layer) and isinstance(layer, DynamicSlidingWindowLayer):
-            raise ValueError(f"Layer {i} keeps a recurrent state and a sliding window of keys ({type(layer).__name__}); "
-                             "hf_dscale cannot roll such a layer back.")
+            raise ValueError(f"Layer {i} keeps a recurrent state and a sliding window of keys "
+                             f"({type(layer).__name__}); hf_dscale cannot roll such a layer back.")
     return cache
 
 

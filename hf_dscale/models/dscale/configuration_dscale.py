@@ -247,9 +247,9 @@ class DScaleConfig(PretrainedConfig):
     @classmethod
     def from_target(cls, target_config, num_hidden_layers: int = 2, num_taps: int | None = None,
                     fusion: str = "layerwise", mask_token_id: int | None = None, **kwargs) -> "DScaleConfig":
-        """A drafter config whose width, heads and RoPE follow `target_config`: a Llama/Qwen3-style config, a GPT-2-style
-        one (`n_embd`, `n_inner`, read through transformers' attribute maps) or one whose head size is per layer (Gemma
-        4: its full-attention layers' head size). Where the target's RoPE is of a type the drafter does not compute,
+        """A drafter config whose width, heads and RoPE follow `target_config`: a Llama/Qwen3-style config, a
+        GPT-2-style one (`n_embd`, `n_inner`, read through transformers' attribute maps) or one whose head size is
+        per layer (Gemma 4: its full-attention layers' head size). Where the target's RoPE is of a type the drafter does not compute,
         the drafter takes another layer kind's, or the plain one with the target's theta. Raises ValueError naming
         a size it cannot read."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
