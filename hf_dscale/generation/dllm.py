@@ -222,9 +222,9 @@ def check_block_sizes(sizes, gen_length: int, what: str = "block size") -> tuple
 
 
 def check_threshold(threshold, name: str = "threshold") -> None:
-    """A confidence threshold must be a probability in (0, 1]."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
-        raise ValueError(f"{name} must be a probability in (0, 1], got {threshold!r}.")
+    """A confidence threshold must be a number above 0 (a probability; above 1, one token a step)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+        raise ValueError(f"{name} must be a probability above 0 (above 1: one token a step), got {threshold!r}.")
 
 
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:

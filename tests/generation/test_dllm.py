@@ -418,7 +418,7 @@ def test_generate_with_custom_generate_and_clear_errors():
     (dict(dllm_method="blockbatch", block_sizes=(0, 8)), r"block size must be a whole number.*\[0\] are not"),
     (dict(dllm_method="blockbatch", block_sizes=(8, 8)), "repeat"),
     (dict(dllm_method="blockbatch", block_sizes=()), "none given"),
-    (dict(dllm_method="blockbatch", block_sizes=(4, 8), threshold=1.5), r"threshold must be a probability"),
+    (dict(dllm_method="blockbatch", block_sizes=(4, 8), threshold=-0.5), r"threshold must be a probability"),
     (dict(dllm_method="blockbatch", block_sizes=(4, 8), refresh_tokens=0), "refresh_tokens"),
     (dict(dllm_method="blockbatch", block_sizes=(4, 8), sync_threshold=-1), "sync_threshold"),
     (dict(dllm_method="fast-dllm", block_size=0), "whole number"),
