@@ -222,9 +222,11 @@ def check_block_sizes(sizes, gen_length: int, what: str = "block size") -> tuple
 
 
 def check_threshold(threshold, name: str = "threshold") -> None:
-    """A confidence threshold must be a number above 0 (a probability; above 1, one token a step)."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-        raise ValueError(f"{name} must be a probability above 0 (above 1: one token a step), got {threshold!r}.")
+    """A confidence threshold is a number of 0 or more: a probability (0: every masked token at once; above 1: one
+    token a step, the reference decode)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+        raise ValueError(f"{name} must be a probability of 0 or more (0: every token at once; above 1: one token a "
+                         f"step), got {threshold!r}.")
 
 
 def _start(model: DiffusionModel, prompt: torch.Tensor, gen_length: int) -> torch.Tensor:

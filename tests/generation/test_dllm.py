@@ -422,7 +422,7 @@ def test_generate_with_custom_generate_and_clear_errors():
     (dict(dllm_method="blockbatch", block_sizes=(4, 8), refresh_tokens=0), "refresh_tokens"),
     (dict(dllm_method="blockbatch", block_sizes=(4, 8), sync_threshold=-1), "sync_threshold"),
     (dict(dllm_method="fast-dllm", block_size=0), "whole number"),
-    (dict(dllm_method="fast-dllm", block_size=8, threshold=0), "threshold"),
+    (dict(dllm_method="fast-dllm", block_size=8, threshold=float("nan")), "threshold"),
 ])
 def test_bad_dllm_options_are_refused_before_decoding(options, message):
     model = tiny_dlm()
