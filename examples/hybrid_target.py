@@ -6,8 +6,10 @@ hybrid fits this machine:
     hf-dscale bench --target runs/qwen35-random --drafter runs/qwen35-random/drafter \
         --prompts examples/data/eval_humaneval.jsonl --limit 4 --max-new-tokens 128 --peers
 
-The target takes SmolLM2's tokenizer and chat template, so the project's prompt files apply. Its weights are
-random, so its output repeats itself: the prompt lookup is what the engine's speed rests on there, and tau says so.
+The target takes SmolLM2's tokenizer and chat template, so the project's prompt files apply. Its weights are random
+and small (`--init-range`, 0.012), so its greedy output soon repeats one token: there the prompt lookup's proposals are
+right and the random drafter's are not, so the figure is what a hybrid verify costs against the plain steps it saves,
+and tau says how much the lookup found.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main() -> None:
     parser.add_argument("out", help="folder for the target (its drafter goes in OUT/drafter)")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers, every fourth full attention")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-range", type=float, default=0.012,
+                        help="standard deviation of the random weights (larger: less repetitive output)")
     args = parser.parse_args()
     _, tokenizer = load_target("smollm2")  # SmolLM2's tokenizer and chat template
     torch.manual_seed(args.seed)
@@ -35,7 +39,8 @@ def main() -> None:
         vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
         linear_key_head_dim=64, linear_value_head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        initializer_range=args.init_range, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     target = AutoModelForCausalLM.from_config(config).eval()
     target.generation_config.eos_token_id = tokenizer.eos_token_id
     target.save_pretrained(args.out)

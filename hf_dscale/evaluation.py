@@ -211,9 +211,9 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
       the installed transformers refuses it);
     * `assistant_model`: transformers' assisted decoding with the drafter;
     * `dscale-auto` (what `custom_generate` does with no method options: the engine's plan chooses), `dscale` (the
-      chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate`; on a
-      target with recurrent or conv layers, which takes no token trees, `dscale-path-lookup` (one path a row, the
-      likelier of the chain and the prompt lookup's) instead of the two trees;
+      chain), `dscale-tree`, `dscale-tree-lookup`, `d2sd` (with a VP drafter): hf_dscale's `custom_generate` (on a
+      target with recurrent or conv layers `dscale-auto` verifies one path a row, the likelier of the chain and the
+      prompt lookup's, and the trees verify each of their paths as a row);
     * with `compile`: `generate-compiled`, plain decoding with a static cache compiled by transformers on any device
       (`compat.compile_everywhere`), and the plan's method with the other verify than the device's default
       (`plan.compile_by_default`): `dscale-auto-compiled` (`custom_generate(compile=True)`) where the default is
@@ -224,7 +224,7 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
       target's own forward (`direct_forward=False`).
     """
     from .engine.plan import compile_by_default
-    from .generation import direct_forward, structure
+    from .generation import direct_forward
     from .kernels import cpu_linear
     from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 
@@ -246,12 +246,9 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
         Peer("dscale-auto", ours, dscale=True),
         Peer("dscale", dict(ours, draft_tree=False), dscale=True),
     ]
-    if structure.of(target).stateful:  # one path a row: the chain, or the likelier of it and the lookup's
-        peers.append(Peer("dscale-path-lookup", dict(ours, prompt_lookup=True), dscale=True))
-    else:
-        peers += [Peer("dscale-tree", dict(ours, draft_tree=True, num_branches=num_branches), dscale=True),
-                  Peer("dscale-tree-lookup", dict(ours, draft_tree=True, num_branches=num_branches,
-                                                  prompt_lookup=True), dscale=True)]
+    peers += [Peer("dscale-tree", dict(ours, draft_tree=True, num_branches=num_branches), dscale=True),
+              Peer("dscale-tree-lookup", dict(ours, draft_tree=True, num_branches=num_branches, prompt_lookup=True),
+                   dscale=True)]
     if compile:
         compiled = compile_by_default(next(target.parameters()).device)[0]
         peers.append(Peer("dscale-auto-eager", dict(ours, compile=False), dscale=True) if compiled else

@@ -1,5 +1,6 @@
 """The architecture sweep: every causal-LM class the installed transformers registers, built tiny and random, decoded
-greedily through hf_dscale's engine (`custom_generate`: its default and the chain) and through `assistant_model=`,
+greedily through hf_dscale's engine (`custom_generate`: its default, the chain, the own tree with the prompt lookup,
+and D²SD) and through `assistant_model=`,
 at batch 1 and as a left-padded batch of 3, and compared token for token with plain `generate()`.
 
 Each class gets a verdict per way: "identical", "refused: ..." (a ValueError raised before the target's first
@@ -10,7 +11,7 @@ table `hf-dscale sweep --readme README.md` writes between its `<!-- targets:... 
 A class whose tiny configuration does not build, or that plain `generate()` cannot run from token ids, is listed
 with why and left out of the counts. The drafter is a random `DScaleDrafter` sized by `DScaleConfig.from_target`
 whose proposals are replaced by plain `generate()`'s own continuation with errors (`OracleDrafter`), so every
-verify accepts and rejects at several depths.
+verify accepts and rejects at several depths; D²SD's variable-prefix drafter is a random one of the same size.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ HYBRID = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"]),
 }
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-WAYS = ("engine", "engine chain", "assistant_model")
+WAYS = ("engine", "engine chain", "engine tree", "engine d2sd", "assistant_model")
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Verdict:
     built: str = "ok"  # "ok", or why the tiny model or its plain generate() did not run
     ways: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    stateful: bool = False  # some layer keeps a conv window or recurrent state (the engine verifies chains)
+    stateful: bool = False  # some layer keeps a conv window or recurrent state (trees verified path by path)
 
     @property
     def failures(self) -> dict[str, str]:
@@ -193,7 +194,7 @@ class _Forwards:
             self.count += 1
 
 
-def _one_way(model, drafter, way: str, ids, mask, plain) -> str:
+def _one_way(model, drafter, vp_drafter, way: str, ids, mask, plain) -> str:
     from .generation import custom_generate
 
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -201,8 +202,8 @@ def _one_way(model, drafter, way: str, ids, mask, plain) -> str:
         kwargs["assistant_model"] = drafter
     else:
         kwargs.update(custom_generate=custom_generate, drafter=drafter, draft_confidence=0.0)
-        if way == "engine chain":
-            kwargs["draft_tree"] = False
+        kwargs.update({"engine chain": dict(draft_tree=False), "engine tree": dict(draft_tree=True, prompt_lookup=True),
+                       "engine d2sd": dict(vp_drafter=vp_drafter)}.get(way, {}))
     forwards = _Forwards(model)
     try:
         torch.manual_seed(3)
@@ -255,7 +256,7 @@ def check(model_type: str, built=None) -> Verdict:
     try:
         torch.manual_seed(1)
         config = DScaleConfig.from_target(model.config, num_hidden_layers=1, mask_token_id=VOCAB - 1, block_size=8)
-        drafter = OracleDrafter(config).eval()
+        drafter, vp_drafter = OracleDrafter(config).eval(), DScaleDrafter(config).eval()
     except Exception as error:  # a ValueError names what from_target cannot read: a refusal; anything else a failure
         said = f"refused: no drafter: {str(error).splitlines()[0]}" if isinstance(error, ValueError) else \
             f"no drafter: {_said(error)}"
@@ -271,7 +272,7 @@ def check(model_type: str, built=None) -> Verdict:
             continue
         drafter.oracle = oracle_from(plains[name], mask)
         for way in WAYS:
-            verdict.ways[f"{way} {name}"] = _one_way(model, drafter, way, ids, mask, plains[name])
+            verdict.ways[f"{way} {name}"] = _one_way(model, drafter, vp_drafter, way, ids, mask, plains[name])
     verdict.seconds = time.perf_counter() - start
     return verdict
 
@@ -393,7 +394,7 @@ def groups(verdicts: list[Verdict]) -> dict[str, list[str]]:
         if v.failures and any(way in engine for way in v.failures):
             key = "FAILED: " + next(said for way, said in v.failures.items() if way in engine)[:80]
         elif all(said == "identical" or said.startswith("n/a") for said in engine.values()):
-            key = "identical" + (", chains (layers with a recurrent or conv state)" if v.stateful else "")
+            key = "identical" + (" (layers with a recurrent or conv state)" if v.stateful else "")
         elif all(said == "identical" for way, said in engine.items() if way.endswith("b1")):
             key = "identical at batch 1; " + _reason(next(s for s in engine.values() if s != "identical"))
         else:
@@ -407,8 +408,9 @@ def readme_section(verdicts: list[Verdict], transformers_version: str) -> str:
     counts = summary(verdicts)
     lines = [
         f"Generated by `hf-dscale sweep --readme README.md` on transformers {transformers_version}: each causal-LM "
-        f"class built tiny and random, decoded greedily through the engine (its default and the chain, batch 1 and a "
-        f"left-padded batch of 3) and through `assistant_model=`, against plain `generate()`. Of {counts['built']} "
+        f"class built tiny and random, decoded greedily through the engine (its default, the chain, the own tree with "
+        f"the prompt lookup and D²SD, batch 1 and a left-padded batch of 3) and through `assistant_model=`, against "
+        f"plain `generate()`. Of {counts['built']} "
         f"classes that build, the engine decodes {counts['engine_identical']} identically every way and refuses "
         f"{counts['engine_refused']} by name before decoding; `assistant_model=` is identical on "
         f"{counts['assistant_identical']} at batch 1.",

@@ -1,8 +1,9 @@
 """The architecture sweep over every causal-LM class the installed transformers registers (`hf_dscale.sweep`).
 
-One run (two worker processes, a few minutes) decodes each class tiny and random through the engine (its default and
-the chain, batch 1 and a left-padded batch of 3) and through `assistant_model=`, against plain `generate()`. The
-engine must never differ, crash, hang or refuse after it started decoding; what it cannot decode it refuses by name.
+One run (two worker processes, a few minutes) decodes each class tiny and random through the engine (its default, the
+chain, the own tree with the prompt lookup and D²SD, batch 1 and a left-padded batch of 3) and through
+`assistant_model=`, against plain `generate()`. The engine must never differ, crash, hang or refuse after it started
+decoding; what it cannot decode it refuses by name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "falcon_h1"
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return {v.model_type: v for v in sweep(workers=2, timeout_s=60.0)}
+    return {v.model_type: v for v in sweep(workers=2, timeout_s=120.0)}
 
 
 def _engine(verdict) -> dict[str, str]:
@@ -41,20 +42,23 @@ def test_the_engine_never_differs_crashes_or_hangs(verdicts):
 
 def test_parity_with_transformers_own_speculation(verdicts):
     """Of the classes `assistant_model=` decodes exactly (transformers speculates at batch 1 only), the engine decodes
-    at least 85 % exactly at batch 1, its default and the chain (on 5.25: 127 of 145; the rest keep attention outside
-    transformers' interface, or indexed, chunked or windowed-recurrent layers, and are refused by name); every hybrid
-    (recurrent, linear-attention and conv layers) among them also as a left-padded batch of 3."""
+    at least 95 % exactly at batch 1, every way, on the release the README's table is of (5.25: 138 of 145; 5.17: 110
+    of 116; the rest keep indexed, chunked or windowed-recurrent layers, or, on 5.17, an encoder RoFormer, and are
+    refused by name); every hybrid (recurrent, linear-attention and conv layers) among them also as a left-padded
+    batch of 3, by default, with the own tree and the prompt lookup, and with D²SD."""
     exact = [k for k, v in verdicts.items() if v.built == "ok" and v.ways.get("assistant_model b1") == "identical"]
     ours = [k for k in exact if all(s == "identical" for w, s in _engine(verdicts[k]).items() if w.endswith("b1"))]
-    assert len(ours) >= 0.85 * len(exact), sorted(set(exact) - set(ours))
+    share = 0.95 if transformers.__version__ == _table_version() else 0.9
+    assert len(ours) >= share * len(exact), sorted(set(exact) - set(ours))
     for kind in HYBRIDS:
         if kind not in verdicts or verdicts[kind].built != "ok":
             continue
-        said = verdicts[kind].ways["engine b3"]
-        if compat.records_recurrent_steps():
-            assert said == "identical", (kind, verdicts[kind].ways)
-        else:  # 5.17-5.24 keep no per-token recurrent state: refused by name (a conv-only model still decodes)
-            assert said == "identical" or "per token" in said, (kind, said)
+        for way in ("engine b3", "engine tree b3", "engine d2sd b3"):
+            said = verdicts[kind].ways[way]
+            if compat.records_recurrent_steps():
+                assert said == "identical", (kind, verdicts[kind].ways)
+            else:  # 5.17-5.24 keep no per-token recurrent state: refused by name (a conv-only model still decodes)
+                assert said == "identical" or "per token" in said, (kind, said)
 
 
 def _table_version() -> str:

@@ -54,7 +54,7 @@ from ..models.dscale.modeling_dscale import DraftContextCache
 from . import proposers
 from .accept import accept
 from .plan import Plan, plan_for, tap_ids
-from .state import Batch, Outcome, Rows, Verify, Walk, lay_out
+from .state import Batch, Outcome, PathRows, Rows, Verify, Walk, lay_out
 
 
 class Engine:
@@ -68,6 +68,7 @@ class Engine:
         layer_ids = tap_ids(drafter, vp_drafter)
         self.forward, self.cut = plan.forward(target, layer_ids), plan.cut()
         self.stateful = bool(structure.of(target).stateful)  # layers with a conv window or recurrent state
+        self.own_masks = structure.of(target).own_masks  # attention of its own, which takes 2D masks only
         self.attention = TargetAttention.of(target)  # what a decoded token sees
         self.prefill_attention = TargetAttention.of(target, prefill=True)  # what the prompt sees
         # A compiled verify (the plan's choice) needs fixed shapes: a cache of `capacity` columns, taps returned
@@ -99,6 +100,8 @@ class Engine:
         self.advanced = (0, 0)  # the columns the last `advance` kept before the read: (first, how many)
         self.nodes = None  # [B, D] the last cycle's accepted nodes by depth, which `commit` packs in the cache
         self.unread = False  # between `advance` and `commit`: columns past every row's path may be held (masked)
+        self.paths: PathRows | None = None  # a stateful target's tree verify, one row per path (`verify_paths`)
+        self._path_taps = None  # that verify's taps per tree node
         self.vocab = self.vp_vocab = None
         self.lookups: list[PromptLookup | None] = [None] * rows.prompt.shape[0]
         self.proposals: list[tuple[list[int], int]] = [([], 0)] * rows.prompt.shape[0]
@@ -270,6 +273,8 @@ class Engine:
         """The tapped layers' outputs [B, N, T, H] for the N positions of the latest target forward."""
         if self.static is not None:
             return self._taps
+        if self.paths is not None:
+            return self._path_taps
         return self.forward.taps if self.forward.taps is not None else self.recorder.taps()
 
     def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int, prefill: bool = False):
@@ -296,6 +301,10 @@ class Engine:
     def verify(self, verify: Verify) -> torch.Tensor:
         """The target's logits [B, N, V] after every node of every row's tree."""
         n = verify.ids.shape[1]
+        self.paths = None
+        if self.stateful and any(max(tree.depths) != len(tree) - 1 for tree in verify.trees) or \
+                self.own_masks and verify.allowed is not None:
+            return self.verify_paths(verify)
         if self.static is not None:  # padded to the compiled width with nodes that see themselves only
             ids, positions, allowed = verify.padded(self.static.width(n))
             mask = self.static_mask(allowed, positions, self.valid.shape[1])
@@ -308,6 +317,25 @@ class Engine:
             mask = self.attention.after_cache(self.valid, verify.positions, verify.ancestors(), self.target.dtype)
         return self.forward(self.cache, input_ids=verify.ids, attention_mask=mask, position_ids=verify.positions,
                             use_cache=True)
+
+    def verify_paths(self, verify: Verify) -> torch.Tensor:
+        """A tree verify on a target with conv or recurrent states, or with attention of its own (which takes a 2D
+        mask, no tree mask): every path of every tree as a chain of its own (`PathRows`), each from a copy of its
+        row's cache, so each layer steps a path's tokens in order as plain decoding would. The logits and taps come
+        back per tree node; `advance` keeps the accepted path's row."""
+        paths = self.paths = PathRows.of(verify)
+        compat.select_rows(self.cache, paths.source)  # a copy of its row's K/V and states per path
+        valid, (r, width) = self.valid[paths.source], paths.ids.shape
+        if self.attention.sliding:
+            causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril().expand(r, width, width)
+            mask = self.attention.after_cache(valid, paths.positions, causal, self.target.dtype)
+        else:
+            mask = torch.cat((valid, valid.new_ones(r, width)), dim=1).long()
+        logits = self.forward(self.cache, input_ids=paths.ids, attention_mask=mask, position_ids=paths.positions,
+                              use_cache=True)
+        taps = self.forward.taps if self.forward.taps is not None else self.recorder.taps()
+        self._path_taps = paths.nodes(taps)
+        return paths.nodes(logits)
 
     def advance(self, outcome: Outcome, active: list[bool]) -> None:
         """What the next draft needs of each row's accepted path, on the device: its taps, its columns as valid, its
@@ -326,7 +354,11 @@ class Engine:
         self.anchors = torch.where(on, last, self.anchors)
         self.anchor_pos = self.anchor_pos + length
         if self.stateful:  # each row's conv windows and recurrent states as after its own accepted tokens
-            self.stats.state_bytes = max(self.stats.state_bytes, compat.keep_states(self.cache, length))
+            kept = length if self.paths is None else length[self.paths.source]
+            self.stats.state_bytes = max(self.stats.state_bytes, compat.keep_states(self.cache, kept))
+        if self.paths is not None:  # each row keeps the path row its accepted path ends on (K/V in path order)
+            ends = outcome.nodes.gather(1, (length - 1).clamp_min(0)[:, None])[:, 0]
+            compat.select_rows(self.cache, self.paths.rows_of(ends))
         self.advanced, self.unread, self.nodes = (start, width), True, outcome.nodes
 
     def options_read(self) -> int:
@@ -370,7 +402,8 @@ class Engine:
             anchors[b] = walk.tokens[-1]
         start, kept = self.advanced
         width = max([len(w.path) for w in walks if w is not None] or [1])
-        if any(w is not None and w.path != list(range(len(w.path))) for w in walks):  # a path off the first nodes
+        if self.paths is None and any(w is not None and w.path != list(range(len(w.path))) for w in walks):
+            # a path off the first nodes (a path row's K/V is already in path order)
             compat.keep_paths(self.cache, start, self.nodes[:, :width])
         compat.crop_to(self.cache, start + width)  # the next verify writes over what no path kept
         if width < kept:  # columns no row's path reached

@@ -157,23 +157,26 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     start = time.perf_counter()
     device = _device(target)
     reasons = []
-    stateful = structure.of(target).stateful
+    found = structure.of(target)
+    stateful = found.stateful
+    by_paths = bool(stateful) or found.own_masks  # a tree's paths verified one row each (`Engine.verify_paths`)
     single_path = False
-    if stateful:  # each verified token's state is kept by stepping it; a tree's nodes would need one per branch
-        if vp_drafter is not None or tree or compile or direct_forward:
+    if by_paths:
+        why = (f"layers {list(stateful)} keep a conv window or recurrent state, rolled back per row to the accepted "
+               "token" if stateful else "its attention is its own, outside transformers' interface, and takes 2D "
+               "masks only")
+        if compile or direct_forward:
             raise ValueError(
-                f"{type(target).__name__} has layers {list(stateful)} that keep a conv window or recurrent state; on "
-                "such a target hf_dscale verifies one path a row (the drafter's chain, or the prompt lookup's) with "
-                "an eager forward, not yet token trees (vp_drafter, draft_tree=True) or a compiled or direct verify "
-                "(compile=True, direct_forward=True). Leave those options unset.")
-        single_path = tree is None and not do_sample or bool(prompt_lookup)
-        tree = single_path
-        prompt_lookup = single_path if prompt_lookup is None else prompt_lookup
+                f"{type(target).__name__}: {why}; hf_dscale verifies it with the target's own eager forward, as plain "
+                "decoding runs it, not a compiled or direct one (compile=True, direct_forward=True). Leave those "
+                "options unset.")
+        single_path = vp_drafter is None and (tree is None and not do_sample or tree is None and bool(prompt_lookup))
+        if single_path:
+            tree, prompt_lookup = True, True if prompt_lookup is None else prompt_lookup
         compile, direct_forward = False, False
-        reasons.append(f"one path a row, eager: layers {list(stateful)} keep a conv window or recurrent state, rolled "
-                       "back per row to the accepted token (token trees would need a state per branch)"
-                       + ("; each row verifies the drafter's chain or the prompt lookup's, whichever is likelier"
-                          if single_path else ""))
+        reasons.append(f"eager: {why}; a token tree verifies each of its paths as a row of its own"
+                       + ("; by default each row verifies one path, the drafter's chain or the prompt lookup's, "
+                          "whichever is likelier (a tree's paths would each cost a row)" if single_path else ""))
     if vp_drafter is not None:
         tree, lookup_default = True, False
         reasons.append("tree: a VP drafter was given (D²SD)")
@@ -186,7 +189,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                        "chain: sampling, whose rejection rule accepts a sampled chain best")
     else:
         lookup_default = False  # a method given is kept as given
-        if not stateful:
+        if not by_paths:
             reasons.append(f"{'tree' if tree else 'chain'}: given")
     if prompt_lookup is None:
         prompt_lookup = lookup_default and tree

@@ -204,6 +204,58 @@ class Verify:
         return _pad(self.trees, self.positions[:, 0], width, mask=True)
 
 
+@dataclass
+class PathRows:
+    """A tree verify on a target whose layers keep a recurrent or conv state: each root-to-leaf path of every row's
+    tree becomes a row of its own, a chain, so each layer steps every path's tokens one after another as plain
+    decoding would, from the state the path's row had (a shared prefix is run once per path through it).
+
+    Node j of row b is read at depth `depths[b, j]` of path row `where[b, j] // width` (the first path through it);
+    a padding node at the anchor of the row's first path."""
+
+    source: torch.Tensor  # [R] the batch row each path row comes from
+    ids: torch.Tensor  # [R, width] each path's tokens from the anchor, padded by repeating its last token
+    positions: torch.Tensor  # [R, width]
+    where: torch.Tensor  # [B, N] path row * width + depth of each node
+    width: int
+
+    @classmethod
+    def of(cls, verify: Verify) -> "PathRows":
+        source, paths, where = [], [], []
+        n = verify.ids.shape[1]
+        for b, tree in enumerate(verify.trees):
+            leaves = [j for j in range(len(tree)) if not tree.children[j]]
+            first, seen = len(paths), [None] * n
+            for leaf in leaves:
+                path, node = [], leaf
+                while node >= 0:
+                    path.append(node)
+                    node = tree.parents[node]
+                path.reverse()
+                for depth, node in enumerate(path):
+                    if seen[node] is None:
+                        seen[node] = (len(paths), depth)
+                source.append(b)
+                paths.append([tree.tokens[node] for node in path])
+            where.append([(first, 0) if at is None else at for at in seen])
+        width = max(len(path) for path in paths)
+        device = verify.ids.device
+        ids = torch.tensor([path + path[-1:] * (width - len(path)) for path in paths], device=device)
+        source_t = torch.tensor(source, device=device)
+        positions = verify.positions[source_t, :1] + torch.arange(width, device=device)
+        flat = torch.tensor([[r * width + d for r, d in row] for row in where], device=device)
+        return cls(source_t, ids, positions, flat, width)
+
+    def nodes(self, per_path: torch.Tensor) -> torch.Tensor:
+        """[R, width, ...] per path position -> [B, N, ...] per tree node."""
+        flat = per_path.reshape(-1, *per_path.shape[2:])
+        return flat[self.where.flatten()].view(*self.where.shape, *per_path.shape[2:])
+
+    def rows_of(self, last: torch.Tensor) -> torch.Tensor:
+        """[B] the path row holding each row's node `last` [B]: the row whose states and K/V the batch row keeps."""
+        return self.where.gather(1, last[:, None])[:, 0] // self.width
+
+
 def _pad(trees: list[TokenTree], anchor_pos: torch.Tensor, n: int, mask: bool):
     """(ids, positions, allowed or None) of `trees` padded to n nodes each: a padding node holds the anchor at the
     anchor's position and sees itself only, so no path reaches it and it changes nothing."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..models.dscale import compat
+from ..models.dscale.modeling_dscale import tap_layers
 
 PROBE = "hf_dscale_probe"
 KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")  # transformers' cache layers that hold K/V only
@@ -49,6 +50,7 @@ class Structure:
     sinks: bool  # some attention takes sink logits (gpt-oss)
     softcap: bool  # some attention soft-caps its logits (Gemma 2)
     problem: str | None = None  # what the engine cannot decode, in words (None: nothing)
+    own_masks: bool = False  # its attention is its own, outside transformers' interface: it takes 2D masks only
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -142,16 +144,15 @@ def probe(target: nn.Module) -> Structure:
         target.set_attn_implementation(before)
     calls = list(recorder.calls.values())
     if not calls:
-        return _refused(f"Unsupported target class {name}: none of its layers calls transformers' attention "
-                        "interface (a recurrent or convolutional model, or attention of its own); hf_dscale verifies "
-                        "drafts on attention layers whose keys and values can be dropped by position.")
+        return _masking_itself(target, getattr(out, "past_key_values", None) or getattr(out, "cache", None))
     blocks = _blocks_holding(target, [module for module, _ in calls])
     by_block = []
     for block in blocks if blocks is not None else ():
         inside = [seen for module, seen in calls if any(module is m for m in block.modules())]
         by_block.append(inside[0] if inside else None)
-    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-    problem = _unsupported(name, blocks, by_block, cache) or _not_causal(target)
+    kept_by_model = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    problem = _unsupported(name, blocks, by_block, kept_by_model) or _not_causal(target)
+    cache = _own_cache(kept_by_model)
     stateful = tuple(compat.stateful_layers(cache)) if cache is not None else ()
     if problem is None and stateful:
         problem = _rollback_unsupported(target, cache)
@@ -173,6 +174,72 @@ def probe(target: nn.Module) -> Structure:
     )
 
 
+def _own_cache(cache):
+    """What a forward with `use_cache=True` kept per layer, as a cache with `layers`: the model's cache, or the
+    self-attention half of an encoder-decoder cache a decoder-only model keeps with nothing on its cross side (it
+    takes a plain `DynamicCache` as well, which the engine hands it). None where neither."""
+    if getattr(cache, "layers", None) is not None:
+        return cache
+    own, cross = getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)
+    if getattr(own, "layers", None) is not None and (cross is None or cross.get_seq_length() == 0):
+        return own
+    return None
+
+
+def _masking_itself(target: nn.Module, cache) -> Structure:
+    """A target whose attention is its own, outside transformers' interface (GPT-Neo, Bloom, XGLM, ...): it builds its
+    masks from the 2D attention mask it is given, so it takes no tree masks. It is decodable where what it keeps
+    is keys and values in transformers' plain cache layers, one per block, and it is causal: the engine then feeds
+    it 2D masks as plain `generate()` does, a tree path by path."""
+    name = _name(target)
+    layers = list(getattr(_own_cache(cache), "layers", None) or [])
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        kept = type(cache).__name__ if not layers else sorted({type(layer).__name__ for layer in layers})
+        return _refused(f"Unsupported target class {name}: none of its layers calls transformers' attention "
+                        f"interface and what it keeps ({kept}) is not transformers' plain cache of keys and values "
+                        "(a recurrent or convolutional model, or a cache of its own); hf_dscale verifies drafts on "
+                        "layers whose keys and values can be dropped by position.")
+    try:
+        blocks = tap_layers(target)
+    except ValueError as error:
+        return _refused(str(error))
+    n = len(blocks)
+    problem = None if n == len(layers) else (
+        f"Unsupported target class {name}: it keeps keys and values for {len(layers)} layers but has {n} blocks.")
+    problem = problem or _not_causal(target) or _cached_forward_differs(target)
+    return Structure(blocks=blocks, windows=(None,) * n, cache_windows=(None,) * n, head_dims=(), attends=(False,) * n,
+                     stateful=(), positions=problem is None and _reads_position_ids(target), sinks=False,
+                     softcap=False, problem=problem, own_masks=True)
+
+
+def _cached_forward_differs(target: nn.Module) -> str | None:
+    """Why a verify's forward, two tokens at once over a cache, does not give what plain decoding gives, one token at a
+    time over the same cache (None: it does). A model that masks itself is checked this way before the engine
+    relies on it."""
+    device = next(target.parameters()).device
+    ids = _tokens(target, [4, 5, 6, 7, 8])
+
+    def run(steps):
+        cache, logits, done = compat.position_cache(), [], 0
+        for n in steps:
+            out = target(input_ids=ids[:, done : done + n], attention_mask=torch.ones_like(ids[:, : done + n]),
+                         position_ids=torch.arange(done, done + n, device=device)[None], use_cache=True,
+                         **compat.cache_kwargs(target, cache))
+            logits.append(out.logits[0])
+            done += n
+        return torch.cat(logits)[3:]
+
+    try:
+        stepped, verified = run([3, 1, 1]), run([3, 2])
+    except Exception as error:
+        return (f"Unsupported target class {_name(target)}: a forward of two tokens over its cache, as a verify runs, "
+                f"failed ({type(error).__name__}: {str(error)[:200]}).")
+    if any(_differ(a, b) for a, b in zip(stepped, verified)):
+        return (f"Unsupported target class {_name(target)}: a forward of two tokens over its cache gives other logits "
+                "than the same tokens decoded one at a time, so hf_dscale cannot verify drafts on it.")
+    return None
+
+
 def _refused(problem: str) -> Structure:
     return Structure(blocks=None, windows=(), cache_windows=(), head_dims=(), attends=(), stateful=(),
                      positions=False, sinks=False, softcap=False, problem=problem)
@@ -184,7 +251,7 @@ def _unsupported(name: str, blocks, by_block: list, cache) -> str | None:
     if blocks is None:
         return (f"Unsupported target class {name}: its attention modules are not inside a list of decoder blocks, "
                 "whose outputs hf_dscale taps for the drafter.")
-    layers = getattr(cache, "layers", None)
+    layers = getattr(_own_cache(cache), "layers", None)
     if cache is not None and layers is None:
         return (f"Unsupported target class {name}: it keeps its cache in a {type(cache).__name__}, not in "
                 "transformers' per-layer cache, so hf_dscale cannot drop a rejected token's state.")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from hf_dscale.generation import custom_generate
+from hf_dscale.generation import custom_generate, structure
 from hf_dscale.generation.masks import ALL_LAYERS, TargetAttention
 
 from ..conftest import FAMILIES, SLIDING_FAMILIES, WINDOW, OracleDrafter, oracle_from, tiny_drafter, tiny_target
@@ -117,3 +117,42 @@ def test_unsupported_layer_kind_is_refused_by_name():
     target.config.attention_chunk_size = 4
     with pytest.raises(ValueError, match=r"LlamaForCausalLM.*chunked_attention"):
         TargetAttention.of(target)
+
+
+def _sweep_target(kind: str):
+    from hf_dscale.sweep import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).float().eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    return model
+
+
+@pytest.mark.parametrize("way", ["default", "own tree + lookup", "d2sd"])
+def test_attention_of_its_own_takes_2d_masks_and_trees_path_by_path(way):
+    """GPT-Neo's attention is its own, outside transformers' interface: it builds its masks from a 2D attention
+    mask and takes no tree mask. The engine feeds it 2D masks, and its trees path by path, batched."""
+    target = _sweep_target("gpt_neo")
+    assert structure.of(target).own_masks and structure.of(target).positions
+    ids, mask = _prompt([12, 7, 4], seed=6)
+    ids = ids % 120 + 3
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    kwargs = {"default": {}, "own tree + lookup": dict(draft_tree=True, prompt_lookup=True),
+              "d2sd": dict(vp_drafter=tiny_drafter(target, seed=5), num_branches=2)}[way]
+    spec = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                           custom_generate=custom_generate, drafter=_oracle(target, plain, mask),
+                           draft_confidence=0.0, **kwargs)
+    assert torch.equal(plain, spec), way
+
+
+def test_attention_of_its_own_is_checked_before_decoding():
+    """Bloom counts positions from its mask's columns: one prompt at a time. ProphetNet cannot run a verify's
+    forward of several tokens over its cache: refused by name."""
+    bloom = _sweep_target("bloom")
+    assert structure.of(bloom).own_masks and not structure.of(bloom).positions
+    ids, mask = _prompt([6, 4], seed=7)
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        bloom.generate(input_ids=ids % 120 + 3, attention_mask=mask, max_new_tokens=4,
+                       custom_generate=custom_generate, drafter=tiny_drafter(bloom))
+    with pytest.raises(ValueError, match=r"ProphetNetForCausalLM: a forward of two tokens over its cache"):
+        structure.of(_sweep_target("prophetnet")).check()
