@@ -120,8 +120,18 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------ detection
 def _refuse_foreign(path: str, config: dict, names: set[str]) -> None:
-    """ValueError for the speculative heads that are not drafters of ours (EAGLE, Medusa) and for plain LMs."""
+    """ValueError for the speculative heads that are not drafters of ours (EAGLE, Medusa), for the block drafters of
+    newer variants whose modeling code is not public (DFlash2, AngelSlim's DFly), and for plain LMs."""
     architectures = config.get("architectures") or []
+    named = [*architectures, str(config.get("model_type") or ""), *map(str, (config.get("auto_map") or {}).values())]
+    newer = sorted({name for name in named if re.search(r"dflash-?2|dfly", name, re.IGNORECASE)})
+    if newer:
+        raise ValueError(
+            f"{path} is a drafter of a newer block-diffusion variant ({', '.join(newer)}: DFlash2 or AngelSlim's DFly) "
+            "whose modeling code hf_dscale has not read (none was public), so it cannot tell how that drafter "
+            "computes a block and does not guess. Load it with its own code (trust_remote_code=True), or use a "
+            "DScale, DFlash or DFlare drafter."
+        )
     eagle = [a for a in architectures if "eagle" in a.lower()]
     eagle_tensors = sorted(n for n in names if n in ("d2t", "t2d") or n.startswith("midlayer."))
     if eagle or eagle_tensors:

@@ -377,6 +377,21 @@ def test_eagle3_folder_is_refused(tmp_path):
         DScaleDrafter.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("names", [dict(architectures=["DFlash2DraftModel"]),
+                                   dict(auto_map={"AutoModel": "dfly.DFlyDrafter"})])
+def test_newer_variants_are_refused_by_name(tmp_path, names):
+    """DFlash2 and AngelSlim's DFly keep DFlash's tensor names; their forward is not public, so they are refused
+    before any weight is read as if it were DFlash's."""
+    h = 64
+    config = {"model_type": "qwen3", "hidden_size": h, "num_hidden_layers": 1, "vocab_size": 96, **names,
+              "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0, 1]}, "block_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"fc.weight": torch.zeros(h, 2 * h), "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(h)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"newer block-diffusion variant \((DFlash2DraftModel|dfly.DFlyDrafter)"):
+        DScaleDrafter.from_pretrained(tmp_path)
+
+
 def test_medusa_folder_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
     save_file({"medusa_head.0.0.linear.weight": torch.zeros(8, 8)}, str(tmp_path / "model.safetensors"))
