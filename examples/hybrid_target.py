@@ -4,7 +4,7 @@ hybrid fits this machine:
 
     python examples/hybrid_target.py runs/qwen35-random
     hf-dscale bench --target runs/qwen35-random --drafter runs/qwen35-random/drafter \
-        --prompts examples/data/eval_humaneval.jsonl --limit 4 --max-new-tokens 128 --peers
+        --prompts examples/data/eval_humaneval.jsonl --limit 3 --max-new-tokens 128 --peers
 
 The target takes SmolLM2's tokenizer and chat template, so the project's prompt files apply. Its weights are random
 and small (`--init-range`, 0.012), so its greedy output soon repeats one token: there the prompt lookup's proposals are
