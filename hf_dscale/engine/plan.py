@@ -20,6 +20,7 @@ caller asks for it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -157,6 +158,15 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
     start = time.perf_counter()
     device = _device(target)
     reasons = []
+    reference = reference_forced()
+    if reference:
+        if cpu_linear or direct_forward:
+            raise ValueError(f"{REFERENCE}=1 runs every verify through transformers' own forward with torch's "
+                             "products; cpu_linear=True and direct_forward=True ask otherwise. Unset "
+                             f"{REFERENCE} or those options.")
+        cpu_linear, direct_forward = False, False
+        reasons.append(f"{REFERENCE}=1: transformers' own forward, torch's products, the LM head as the target "
+                       "applies it")
     found = structure.of(target)
     stateful = found.stateful
     by_paths = bool(stateful) or found.own_masks  # a tree's paths verified one row each (`Engine.verify_paths`)
@@ -220,7 +230,7 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
         else:  # a confidence cut's minimum from the compiled costs, not from eager verifies
             cut = DraftCut(confidence, min_drafts_from(costs) if confidence > 0 else None)
     else:
-        if target_forward.splittable(target):
+        if not reference and target_forward.splittable(target):
             faster = target_forward.faster_transposed(target.get_output_embeddings(), range(1, max_width + 1),
                                                        batch_size)
             transposed = tuple(sorted(faster)) or None
@@ -260,6 +270,15 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                 compile_s=compile_s, one_read=bool(one_read), single_path=single_path, reasons=tuple(reasons))
 
 
+REFERENCE = "HF_DSCALE_REFERENCE"  # =1: every verify through transformers' own forward with torch's products
+
+
+def reference_forced() -> bool:
+    """Whether `$HF_DSCALE_REFERENCE` is 1: the plan then leaves out every fast path of its own (the CPU kernel, the
+    direct forward, the split head), so a run can be checked against transformers' own arithmetic."""
+    return os.environ.get(REFERENCE, "") == "1"
+
+
 def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | None:
     """Why a verify of `target` cannot use the CPU kernel (None: it can); raises if `wanted` is True and it cannot."""
     weight = next(target.parameters())
@@ -275,9 +294,10 @@ def _cpu_linear_unavailable(target: nn.Module, wanted: bool | None) -> str | Non
     return why
 
 
-def _direct_unavailable(target: nn.Module, wanted: bool | None) -> str | None:
-    """Why a verify of `target` cannot run `DirectForward` (None: it can); raises if `wanted` is True and it cannot."""
-    why = "direct_forward=False" if wanted is False else direct_forward_module.unavailable(target)
+def _direct_unavailable(target: nn.Module, wanted: bool | None, kernel: bool) -> str | None:
+    """Why a verify of `target` cannot run `DirectForward` (None: it can), probed with the CPU kernel's products where
+    `kernel` (the way the plan would run it); raises if `wanted` is True and it cannot."""
+    why = "direct_forward=False" if wanted is False else direct_forward_module.unavailable(target, kernel=kernel)
     if wanted and why is not None:
         raise RuntimeError(f"direct_forward=True, but the direct forward cannot run {type(target).__name__}: {why}. "
                            "Pass direct_forward=None (measure) or False.")
@@ -290,7 +310,8 @@ def _eager_ways(target: nn.Module, cpu_linear: bool | None, direct_forward: bool
     target's own forward is left out: it runs the same ops (the probe found the same logits) with transformers'
     module machinery around them (`dscale-auto-model-forward` in `hf-dscale bench --peers` measures it)."""
     Way = target_forward.Way
-    no_kernel, no_direct = _cpu_linear_unavailable(target, cpu_linear), _direct_unavailable(target, direct_forward)
+    no_kernel = _cpu_linear_unavailable(target, cpu_linear)
+    no_direct = _direct_unavailable(target, direct_forward, kernel=no_kernel is None)
     if no_kernel is not None:
         reasons.append(f"verify products by torch: {no_kernel}")
     if no_direct is not None:
@@ -373,8 +394,8 @@ def plan_for(target: nn.Module, drafter: nn.Module, **options) -> Plan:
     plans = drafter.__dict__.setdefault("_plans", weakref.WeakKeyDictionary())
     known = plans.setdefault(target, {})
     weight = next(target.parameters())
-    key = (str(weight.device), weight.dtype, *sorted((name, id(value) if isinstance(value, nn.Module) else value)
-                                                     for name, value in options.items()))
+    key = (str(weight.device), weight.dtype, reference_forced(),
+           *sorted((name, id(value) if isinstance(value, nn.Module) else value) for name, value in options.items()))
     if key not in known:
         known[key] = calibrate(target, drafter, **options)
     return known[key]

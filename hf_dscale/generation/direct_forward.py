@@ -82,10 +82,18 @@ def _structure(target: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def unavailable(target: nn.Module, width: int = 5) -> str | None:
+def unavailable(target: nn.Module, width: int = 5, kernel: bool = False) -> str | None:
     """Why `DirectForward` cannot run `target`'s verifies (None: it can): its structure, or a probe whose logits
-    (over `width` tokens after as many cached ones, with torch's products, masked as the engine masks a verify)
-    differ from the target's own."""
+    (over `width` tokens after as many cached ones, masked as the engine masks a verify, with torch's products and,
+    with `kernel`, with the CPU kernel's too) differ from the target's own. An error inside the probe (a transformers
+    whose modules changed) is a reason too: the caller falls back to the target's own forward."""
+    try:
+        return _probe(target, width, kernel)
+    except Exception as error:
+        return f"a probe of its forward failed ({type(error).__name__}: {str(error)[:200]})"
+
+
+def _probe(target: nn.Module, width: int, kernel: bool) -> str | None:
     why = _structure(target)
     if why is not None:
         return why
@@ -94,22 +102,26 @@ def unavailable(target: nn.Module, width: int = 5) -> str | None:
     device = target.get_output_embeddings().weight.device
     ids = torch.arange(3, 3 + 2 * width, device=device)[None] % target.get_output_embeddings().weight.shape[0]
     positions = torch.arange(2 * width, device=device)[None]
-    caches = [compat.position_cache(2 * width) for _ in range(2)]
-    for cache in caches:
-        target(input_ids=ids[:, :width], position_ids=positions[:, :width], use_cache=True,
-               **compat.cache_kwargs(target, cache))
+    own_cache = compat.position_cache(2 * width)
+    target(input_ids=ids[:, :width], position_ids=positions[:, :width], use_cache=True,
+           **compat.cache_kwargs(target, own_cache))
     mask = torch.ones(1, 2 * width, dtype=torch.long, device=device)
     attention = TargetAttention.of(target)
     if attention.sliding:  # such a target's verifies get 4D masks by position (`generation/masks.py`)
         mask = attention.after_cache(mask[:, :width].bool(), positions[:, width:],
                                      torch.ones(width, width, dtype=torch.bool, device=device).tril(), target.dtype)
     new = dict(input_ids=ids[:, width:], position_ids=positions[:, width:])
-    own = target(**new, attention_mask=mask, use_cache=True, **compat.cache_kwargs(target, caches[0])).logits
-    direct, _ = DirectForward(target)(**new, attention_mask=mask, cache=caches[1])
+    own = target(**new, attention_mask=mask, use_cache=True, **compat.cache_kwargs(target, own_cache)).logits
     scale = own.abs().max().clamp_min(1.0)
-    error = ((direct - own).abs().max() / scale).item()
-    if not error <= 1e-4:
-        return f"a probe of its forward differs from {type(target).__name__}'s own (relative error {error:.2g})"
+    for products in (False, True) if kernel else (False,):
+        cache = compat.position_cache(2 * width)
+        target(input_ids=ids[:, :width], position_ids=positions[:, :width], use_cache=True,
+               **compat.cache_kwargs(target, cache))
+        direct, _ = DirectForward(target)(**new, attention_mask=mask, cache=cache, kernel=products)
+        error = ((direct - own).abs().max() / scale).item()
+        if not error <= 1e-4:
+            return (f"a probe of its forward{' with the CPU kernel' if products else ''} differs from "
+                    f"{type(target).__name__}'s own (relative error {error:.2g})")
     return None
 
 

@@ -1,5 +1,8 @@
 """Building hf_dscale's C kernels: compiled on first use with the machine's C compiler, cached per source and flags.
 
+The C source is the one declaration of a kernel's interface: `bind` reads each exported function's prototype from
+it (every function named `hf_dscale_*` that is not `static`) and sets the ctypes argument and return types.
+
 A kernel's shared library goes into the package's cache folder (`$HF_DSCALE_CACHE/kernels`, default
 `~/.cache/hf_dscale/kernels`) under a name that holds a digest of its source, compiler and flags, so an edited source
 or another compiler builds anew and a built one is loaded as it is. It is compiled aside and moved in whole, so a run
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -51,3 +55,35 @@ def build(source: Path, stem: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
         return ctypes.CDLL(str(target))
     except OSError as error:
         return f"loading {target.name} failed: {error}"
+
+
+# C parameter and return types -> ctypes; any pointer is an address (`ctypes.c_void_p`).
+C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
+           "void": None}
+_PROTOTYPE = re.compile(r"^(void|int64_t|int|float|double)\s+(hf_dscale_\w+)\s*\(([^)]*)\)\s*\{", re.MULTILINE)
+
+
+def prototypes(source: Path) -> dict[str, tuple[object, list[object]]]:
+    """{name: (return ctypes type, [argument ctypes types])} of the exported functions declared in `source`."""
+    found = {}
+    for returns, name, params in _PROTOTYPE.findall(source.read_text()):
+        types = []
+        for param in " ".join(params.split()).split(","):
+            param = param.strip()
+            if "*" in param:
+                types.append(ctypes.c_void_p)
+                continue
+            words = [w for w in param.split() if w not in ("const", "unsigned")]
+            if len(words) != 2 or words[0] not in C_TYPES or C_TYPES[words[0]] is None:
+                raise ValueError(f"{source.name}: {name} takes {param!r}, which hf_dscale binds no ctypes type to.")
+            types.append(C_TYPES[words[0]])
+        found[name] = (C_TYPES[returns], types)
+    return found
+
+
+def bind(library: ctypes.CDLL, source: Path) -> ctypes.CDLL:
+    """Set `argtypes` and `restype` of every function `source` exports, as its prototype declares them."""
+    for name, (returns, types) in prototypes(source).items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = types, returns
+    return library

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .build import build
+from .build import bind, build
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
@@ -58,19 +58,10 @@ def _library() -> ctypes.CDLL | str:
     if isinstance(library, str):
         return library
     library.isa = isa
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f32, cint = ctypes.c_float, ctypes.c_int
-    library.hf_dscale_linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, cint, cint]
-    library.hf_dscale_linear_f32.restype = None
-    library.hf_dscale_linear_many_f32.argtypes = [ptr, i64, cint, ptr, ptr, ptr, i64, ptr, i64, i64, cint]
-    library.hf_dscale_linear_many_f32.restype = None
-    library.hf_dscale_rms_norm_f32.argtypes = [ptr, i64, ptr, f32, ptr, i64, i64, i64]
-    library.hf_dscale_rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32]
-    library.hf_dscale_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
-                                                i64, i64, i64, i64, i64, i64, f32, ptr, cint]
-    library.hf_dscale_silu_mul_f32.argtypes = [ptr, i64, i64, ptr]
-    for name in ("rms_norm", "rope", "attention", "silu_mul"):
-        getattr(library, f"hf_dscale_{name}_f32").restype = None
+    try:
+        bind(library, SOURCE)  # argument and return types as the C source declares them
+    except (ValueError, AttributeError) as error:
+        return f"binding {SOURCE.name} failed: {error}"
     return library
 
 

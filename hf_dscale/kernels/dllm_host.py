@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .build import build
+from .build import bind, build
 
 SOURCE = Path(__file__).with_name("dllm_host.c")
 FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
@@ -33,18 +33,10 @@ def _library() -> ctypes.CDLL | str:
     library = build(SOURCE, "dllm_host", FLAGS)
     if isinstance(library, str):
         return library
-    i64, ptr, f64, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_float
-    library.hf_dscale_dllm_commit.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, f64, ptr,
-                                              ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    library.hf_dscale_dllm_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr]
-    library.hf_dscale_dllm_merge.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, f32, i64, ptr, i64, ptr]
-    library.hf_dscale_dllm_beliefs.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr,
-                                               ctypes.c_int]
-    library.hf_dscale_dllm_commit_merge.argtypes = [*library.hf_dscale_dllm_commit.argtypes, ptr, ptr, ptr, ptr, f32,
-                                                    ptr, ptr]
-    library.hf_dscale_dllm_commit_merge.restype = i64
-    for name in ("commit", "scan", "merge", "beliefs"):
-        getattr(library, f"hf_dscale_dllm_{name}").restype = None
+    try:
+        bind(library, SOURCE)  # argument and return types as the C source declares them
+    except (ValueError, AttributeError) as error:
+        return f"binding {SOURCE.name} failed: {error}"
     return library
 
 

@@ -177,3 +177,49 @@ def test_greedy_decoding_through_the_direct_forward_equals_plain_generate(kind, 
                                draft_tree=tree)
         assert torch.equal(ours, plain)
         assert calls  # the verifies ran direct
+
+
+def test_a_probe_that_raises_gives_a_reason_and_the_plan_falls_back(monkeypatch):
+    """A transformers whose modules changed under the direct forward must not escape `calibrate`: the probe's error
+    is the reason the plan verifies through the target's own forward."""
+    target = tiny_target("llama")
+
+    def broken(self, *args, **kwargs):
+        raise TypeError("an interface that changed")
+
+    monkeypatch.setattr(direct_forward.DirectForward, "__call__", broken)
+    why = direct_forward.unavailable(target)
+    assert why == "a probe of its forward failed (TypeError: an interface that changed)"
+    plan = calibrate(target, tiny_drafter(target))
+    assert plan.direct_widths is None and f"verify through the target's modules: {why}" in plan.reasons
+
+
+@pytest.mark.skipif(not KERNEL, reason="the CPU kernel does not run on this machine")
+def test_the_probe_runs_the_kernel_products_the_plan_would_run(monkeypatch):
+    target = tiny_target("llama")
+    calls = []
+    original = direct_forward.DirectForward.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("kernel", False))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(direct_forward.DirectForward, "__call__", spy)
+    assert direct_forward.unavailable(target, kernel=True) is None
+    assert calls == [False, True]
+
+
+def test_hf_dscale_reference_forces_transformers_own_forward(monkeypatch):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    monkeypatch.setenv("HF_DSCALE_REFERENCE", "1")
+    plan = calibrate(target, drafter)
+    assert plan.direct_widths is None and plan.cpu_linear_widths is None and plan.transposed is None
+    assert any(r.startswith("HF_DSCALE_REFERENCE=1") for r in plan.reasons)
+    with pytest.raises(ValueError, match="HF_DSCALE_REFERENCE=1 runs every verify"):
+        calibrate(target, drafter, direct_forward=True)
+    ids, mask = unevenly_padded(2, seed=12)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    ours = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                           custom_generate=custom_generate, drafter=drafter)
+    assert torch.equal(ours, plain)
