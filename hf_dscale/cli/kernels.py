@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
-    from ..kernels.benchmark import benchmark_tree_attention
+    from .kernel_bench import benchmark_tree_attention
 
     rows = benchmark_tree_attention([int(x) for x in args.prefix_lengths.split(",")],
                                     [int(x) for x in args.tree_sizes.split(",")], dtype=getattr(torch, args.dtype))

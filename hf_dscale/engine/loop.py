@@ -46,7 +46,7 @@ from ..generation import structure
 from ..generation.masks import TargetAttention, column_positions
 from ..generation.tree import TokenTree
 from ..generation.types import DecodeStats
-from ..kernels.hf_attention import register as register_tree_attention
+from .attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.assistant import AUTO, TapRecorder, choose_tokens

@@ -20,10 +20,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..cache import cache_dir
+
 
 def cache_folder() -> Path:
-    from ..models.targets import cache_dir  # the package's one cache folder
-
     return Path(cache_dir()) / "kernels"
 
 

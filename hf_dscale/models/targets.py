@@ -14,11 +14,9 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..cache import cache_dir
+
 SMOLLM2 = "smollm2"  # the embedded default target's name on the command line
-
-
-def cache_dir() -> str:
-    return os.environ.get("HF_DSCALE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hf_dscale"))
 
 
 def smollm2_gguf() -> tuple[str, str]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.tree_attention import tree_attention
 from ..models.dscale import compat
-from .tree_attention import tree_attention
 
 NAME = "hf_dscale_tree"
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..generation.tree import TokenTree
-from .tree_attention import tree_attention_triton
+from ..kernels.tree_attention import tree_attention_triton
 
 
 def _time_ms(fn, iters: int) -> float:
