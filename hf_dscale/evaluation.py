@@ -74,7 +74,7 @@ def weights_read_seconds(model: torch.nn.Module, repeats: int = 5, clock: Callab
     `fused`: one multi-tensor reduction (`torch._foreach_norm`, one launch per group of tensors on a GPU) instead of
     one per tensor, whose launches would outlast the reads of a small model on a GPU; None: on CUDA only (on a CPU
     the per-tensor sums read faster)."""
-    from .models.dscale.assistant import median_seconds
+    from .timing import median_seconds
 
     tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers()) if t.numel()}
     groups: dict[torch.dtype, list[torch.Tensor]] = {}  # tied weights once; one group per dtype
@@ -223,8 +223,8 @@ def peers_for(target, drafter, vp_drafter=None, num_branches: int = 4, draft_con
     * where the direct forward runs the target, `dscale-auto-model-forward`: the plan's method verifying through the
       target's own forward (`direct_forward=False`).
     """
+    from .engine import direct_forward
     from .engine.plan import compile_by_default
-    from .generation import direct_forward
     from .kernels import cpu_linear
     from .models.dscale.compat import compile_everywhere, native_dflash_reads_layer_outputs
 

@@ -83,9 +83,8 @@ def causal_lm_types() -> dict[str, str]:
     """model_type -> causal-LM class name, as the installed transformers registers them (text decoders only:
     classes named *ForConditionalGeneration, and those whose config holds a `text_config`, take images or audio;
     their text models are registered under their own types, `qwen3_5_text` for `qwen3_5`)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return {kind: name for kind, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
             if "ConditionalGeneration" not in name and kind in CONFIG_MAPPING
@@ -183,7 +182,7 @@ def oracle_from(sequences: torch.Tensor, attention_mask: torch.Tensor | None = N
 
 class _Forwards:
     """Counts the target's decoding forwards (those handed a cache; a pre-hook), so that a refusal can be told apart
-    from a late failure. The engine's structure probe (`generation/structure.py`) runs without one."""
+    from a late failure. The engine's structure probe (`engine/structure.py`) runs without one."""
 
     def __init__(self, model):
         self.count = 0
@@ -263,7 +262,7 @@ def check(model_type: str, built=None) -> Verdict:
         verdict.ways.update({f"{way} {name}": said for way in WAYS for name in plains})
         verdict.seconds = time.perf_counter() - start
         return verdict
-    from .generation import structure
+    from .engine import structure
 
     verdict.stateful = bool(structure.of(model).stateful)  # the engine's probe (kept per target): the counter then
     # sees the decoding alone

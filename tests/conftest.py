@@ -33,7 +33,7 @@ from transformers import (
 
 from hf_dscale import DScaleConfig, DScaleDrafter
 from hf_dscale.sweep import OracleDrafter, oracle_from, restrict  # noqa: F401 (the tests' oracle, shipped with the sweep)
-from hf_dscale.generation import target_forward
+from hf_dscale.engine import target_forward
 from hf_dscale.models.dscale import assistant
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

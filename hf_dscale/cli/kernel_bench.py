@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..generation.tree import TokenTree
+from ..engine.tree import TokenTree
 from ..kernels.tree_attention import tree_attention_triton
 
 

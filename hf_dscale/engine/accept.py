@@ -1,6 +1,6 @@
 """Accept (stage 3): walk each row's verified tree with the target's tokens; a chain is a one-path tree.
 
-Vocabulary as in `generation/acceptance.py` (arXiv 2211.17192): the target accepts a prefix of a path's drafts
+Vocabulary as in `engine/acceptance.py` (arXiv 2211.17192): the target accepts a prefix of a path's drafts
 (`num_accepted`), then emits a recovered token at the first rejection or a bonus token after the last draft; the
 row's output tokens are the accepted drafts plus that one token. p is the target's distribution, q the drafter's.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.acceptance import speculative_accept
+from .acceptance import speculative_accept
 from .state import Batch, Outcome, Verify
 
 

@@ -25,9 +25,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..generation.target_forward import apply_head, splittable
 from ..models.dscale import compat
-
+from .target_forward import apply_head, splittable
 
 RECOMPILE_LIMIT = 256  # compiled shapes the verify keeps in one process (dynamo's own default: 8)
 
@@ -101,8 +100,8 @@ class StaticVerify:
     def measure(self, batch_size: int = 1, context: int = 256, repeats: int = 3, clock=time.perf_counter) -> dict:
         """Compile every width at `batch_size` (timed into `compile_s`) and return the median seconds of a verify at
         each, over a cache of `context` positions (`median_seconds`)."""
-        from ..generation.masks import TargetAttention
-        from ..models.dscale.assistant import median_seconds
+        from ..timing import median_seconds
+        from .masks import TargetAttention
 
         device = next(self.target.parameters()).device
         widest = self.widths[-1]

@@ -18,7 +18,7 @@
   so the cache is a rectangle of *columns* with holes: a row whose path is shorter than the longest leaves masked
   columns. Position ids count only a row's valid tokens, so every row sees exactly the sequence plain `generate()`
   would feed it, and the drafters' context caches mirror the same columns. Targets with sliding-window layers get
-  their masks by position (`generation/masks.py`). A row that stops leaves the batch (`Engine.compact`): the
+  their masks by position (`engine/masks.py`). A row that stops leaves the batch (`Engine.compact`): the
   stages' slot b is row `batch.index[b]`, so later cycles verify and draft only the rows still decoding.
 * **compiled** (`Plan.compile_widths`, `compiled.py`): the verify runs one compiled forward at a fixed width over a
   cache of fixed shape (`compat.column_cache`): each tree is padded to that width with nodes that see themselves
@@ -41,20 +41,19 @@ import time
 
 import torch
 
-from ..generation.lookup import PromptLookup
-from ..generation import structure
-from ..generation.masks import TargetAttention, column_positions
-from ..generation.tree import TokenTree
-from ..generation.types import DecodeStats
-from .attention import register as register_tree_attention
 from ..kernels.tree_attention import triton_usable
 from ..models.dscale import compat
 from ..models.dscale.assistant import AUTO, TapRecorder, choose_tokens
 from ..models.dscale.modeling_dscale import DraftContextCache
-from . import proposers
+from . import proposers, structure
 from .accept import accept
+from .attention import register as register_tree_attention
+from .lookup import PromptLookup
+from .masks import TargetAttention, column_positions
 from .plan import Plan, plan_for, tap_ids
 from .state import Batch, Outcome, PathRows, Rows, Verify, Walk, lay_out
+from .tree import TokenTree
+from .types import DecodeStats
 
 
 class Engine:

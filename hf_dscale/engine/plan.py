@@ -28,12 +28,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..generation import direct_forward as direct_forward_module
-from ..generation import structure
-from ..generation import target_forward
 from ..kernels import cpu_linear as cpu_linear_kernel
-from ..models.dscale.assistant import (AUTO, CPU_DRAFT_CONFIDENCE, DraftCut, cut_minimum, min_drafts_from,
-                                       resolve_draft_confidence)
+from ..models.dscale.assistant import (
+    AUTO,
+    CPU_DRAFT_CONFIDENCE,
+    DraftCut,
+    cut_minimum,
+    min_drafts_from,
+    resolve_draft_confidence,
+)
+from . import direct_forward as direct_forward_module
+from . import structure, target_forward
 from .compiled import static_verify_for
 
 BRANCH_POLICIES = ("vp", "distinct", "ranked")

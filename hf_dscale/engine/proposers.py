@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.lookup import PromptLookup
+from .lookup import PromptLookup
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from ..generation.tree import TokenTree
+from .tree import TokenTree
 
 
 def host_stop(criteria) -> tuple[int | None, frozenset[int]] | None:

@@ -1,11 +1,11 @@
-"""What decodes: acceptance rules, transformers entry points, diffusion LM decoding (the speculative loop itself is
-`hf_dscale.engine`)."""
+"""The transformers-facing entry points: `custom_generate` (the speculative engine, `hf_dscale.engine`), the
+diffusion-LM decoders and `dllm_generate`."""
 
-from .acceptance import greedy_accept, speculative_accept
+from ..engine.acceptance import greedy_accept, speculative_accept
+from ..engine.types import DecodeStats
 from .custom_generate import generate as custom_generate
 from .dllm import blockbatch_generate, fast_dllm_generate
 from .dllm_custom_generate import generate as dllm_generate
-from .types import DecodeStats
 
 __all__ = ["DecodeStats", "blockbatch_generate", "custom_generate", "dllm_generate", "fast_dllm_generate", "greedy_accept", "speculative_accept", "speculative_generate", "tree_generate"]
 

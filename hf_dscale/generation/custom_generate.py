@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..engine import decode
+from ..models import DScaleDrafter
 from ..models.dscale import compat
 
 
 def _load_drafter(drafter, model):
     if isinstance(drafter, str):
-        from ..models import DScaleDrafter
-
         drafter = DScaleDrafter.from_pretrained(drafter, dtype=model.dtype).to(model.device)
     if drafter is None:
         raise ValueError("Pass the drafter: model.generate(..., custom_generate=..., drafter=<DScaleDrafter or path>).")
@@ -84,7 +84,7 @@ def generate(
             width once per target, kept where cheaper; False: torch's products; True: fail where the kernel cannot
             run (it needs x86-64 with AVX-512 and a C compiler, and compiles itself once into the cache folder).
         direct_forward: whether an eager verify may run the target's weights layer by layer without its modules
-            (`hf_dscale.generation.direct_forward`: the same ops, in one loop; about a third of a small model's CPU
+            (`hf_dscale.engine.direct_forward`: the same ops, in one loop; about a third of a small model's CPU
             verify is transformers' module machinery). Default: for float32 Llama-family targets whose forward a
             probe shows equal, measured per verify width once per target, kept where cheaper; False: the target's
             own forward; True: fail where it cannot run.
@@ -98,8 +98,6 @@ def generate(
     Returns:
         sequences [B, P + N], or a `GenerateDecoderOnlyOutput` when `return_dict_in_generate=True`.
     """
-    from ..engine import decode  # the engine imports this package's helpers
-
     drafter = _load_drafter(drafter, model)
     if draft_confidence is None and plan is None:  # the drafter's own setting, else the plan's default
         draft_confidence = getattr(drafter, "draft_confidence", None)

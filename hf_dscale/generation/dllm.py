@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from ..models.dllm import DiffusionModel
-from ..models.dscale.assistant import median_seconds
+from ..timing import median_seconds
 
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # BlockBatch's branches: the paper's default set
 REFRESH_TOKENS = 32  # BlockBatch's periodic refresh: the paper's interval

@@ -200,7 +200,7 @@ void hf_dscale_linear_many_f32(const float *x, int64_t ldx, int count, const flo
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
- * The rest of a Llama-style decoder layer between its products, for `generation/direct_forward.py`: RMS norms, the
+ * The rest of a Llama-style decoder layer between its products, for `engine/direct_forward.py`: RMS norms, the
  * rotary embedding, attention over the cache with an additive mask, and SiLU(gate) * up. Plain loops the compiler
  * vectorizes (each lane its own sum), so their sums run in another order than torch's, as the products' do. */
 

@@ -17,7 +17,7 @@ CPU.
 linears.active():`), through forward hooks on those modules, which `remove()` takes off: the model's code and
 classes are not touched.
 
-The same library holds the rest of a Llama-style decoder layer for `generation/direct_forward.py`: several products
+The same library holds the rest of a Llama-style decoder layer for `engine/direct_forward.py`: several products
 of one input in one pass (`linear_many`), products that add into a residual stream (`_run(..., into=)`), RMS norms,
 the rotary embedding in place (`rope_`), attention over a cache with an additive mask (`attention`) and SiLU(gate) *
 up (`silu_mul`); each is tested against its torch counterpart.
@@ -154,7 +154,7 @@ def _run_many(x: torch.Tensor, weights, biases) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[1])
 
 
-# ---- the rest of a Llama-style decoder layer, for `generation/direct_forward.py` (float32, contiguous rows) ----
+# ---- the rest of a Llama-style decoder layer, for `engine/direct_forward.py` (float32, contiguous rows) ----
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dimension of a contiguous x."""

@@ -10,7 +10,7 @@ from hf_dscale.engine import calibrate
 from hf_dscale.engine import plan as plan_module
 from hf_dscale.engine.compiled import StaticVerify
 from hf_dscale.generation import DecodeStats, custom_generate
-from hf_dscale.generation.masks import TargetAttention
+from hf_dscale.engine.masks import TargetAttention
 from hf_dscale.models.dscale import assistant, compat
 from hf_dscale.models.dscale.assistant import TapRecorder
 

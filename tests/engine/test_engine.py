@@ -12,8 +12,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from hf_dscale.engine import Plan, calibrate, plan_for
 from hf_dscale.engine.proposers import Draft, Path, own_tree_paths, select_nodes
 from hf_dscale.engine.state import Verify
-from hf_dscale.generation import DecodeStats, custom_generate, target_forward
-from hf_dscale.generation.tree import TokenTree
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.engine import target_forward
+from hf_dscale.engine.tree import TokenTree
 from hf_dscale.models.dscale import assistant, compat
 
 from ..conftest import cpu_like_costs, tiny_drafter, tiny_target

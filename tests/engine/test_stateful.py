@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from hf_dscale import DScaleConfig, DScaleDrafter
 from hf_dscale.engine.state import PathRows, Verify
-from hf_dscale.generation import custom_generate, structure
-from hf_dscale.generation.tree import TokenTree
-from hf_dscale.generation.types import DecodeStats
+from hf_dscale.generation import custom_generate
+from hf_dscale.engine import structure
+from hf_dscale.engine.tree import TokenTree
+from hf_dscale.engine.types import DecodeStats
 from hf_dscale.models.dscale import compat
 from hf_dscale.sweep import OracleDrafter, oracle_from, restrict, tiny_config
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from hf_dscale.generation import acceptance
-from hf_dscale.generation.acceptance import greedy_accept, speculative_accept
+from hf_dscale.engine import acceptance
+from hf_dscale.engine.acceptance import greedy_accept, speculative_accept
 
 
 def test_greedy_accept_worked_example():

@@ -13,7 +13,7 @@ from hf_dscale.engine.plan import BRANCH_POLICIES
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.engine.proposers import boundary_scores, own_branches, ranked_branches, throughput_tree, top_prefixes
 from hf_dscale.models.dscale.assistant import draft_length
-from hf_dscale.generation.tree import TokenTree, walk_tree
+from hf_dscale.engine.tree import TokenTree, walk_tree
 from hf_dscale.models.dscale import assistant, compat
 
 from ..conftest import MASK_ID, OracleDrafter, fix_verify_costs, oracle_from, restrict, tiny_drafter, tiny_target

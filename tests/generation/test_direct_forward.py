@@ -1,4 +1,4 @@
-"""The direct forward (`hf_dscale.generation.direct_forward`): the target's weights run without its modules. Its
+"""The direct forward (`hf_dscale.engine.direct_forward`): the target's weights run without its modules. Its
 logits and taps against the target's own forward on every family it takes, the targets it refuses and why, the
 plan's per-width choice, and greedy decoding through it."""
 
@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from hf_dscale.engine.plan import calibrate
-from hf_dscale.generation import custom_generate, direct_forward, target_forward
-from hf_dscale.generation.masks import TargetAttention, column_positions
+from hf_dscale.generation import custom_generate
+from hf_dscale.engine import direct_forward, target_forward
+from hf_dscale.engine.masks import TargetAttention, column_positions
 from hf_dscale.kernels import cpu_linear
 from hf_dscale.models.dscale import compat
 from hf_dscale.models.dscale.assistant import TapRecorder

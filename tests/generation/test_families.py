@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from hf_dscale.generation import custom_generate, structure
-from hf_dscale.generation.masks import ALL_LAYERS, TargetAttention
+from hf_dscale.generation import custom_generate
+from hf_dscale.engine import structure
+from hf_dscale.engine.masks import ALL_LAYERS, TargetAttention
 
 from ..conftest import FAMILIES, SLIDING_FAMILIES, WINDOW, OracleDrafter, oracle_from, tiny_drafter, tiny_target
 

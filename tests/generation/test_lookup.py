@@ -8,7 +8,7 @@ import torch
 
 from hf_dscale.generation import DecodeStats, custom_generate
 from hf_dscale.engine.proposers import throughput_tree
-from hf_dscale.generation.lookup import PromptLookup
+from hf_dscale.engine.lookup import PromptLookup
 
 from ..conftest import fix_verify_costs, oracle_from, tiny_drafter
 from .test_acceptance import _pvalue

@@ -11,8 +11,9 @@ from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from hf_dscale.engine import calibrate, plan_for
-from hf_dscale.generation import DecodeStats, custom_generate, target_forward
-from hf_dscale.generation.target_forward import TargetForward, apply_head, splittable
+from hf_dscale.generation import DecodeStats, custom_generate
+from hf_dscale.engine import target_forward
+from hf_dscale.engine.target_forward import TargetForward, apply_head, splittable
 from hf_dscale.models.dscale import compat
 
 from ..conftest import OracleDrafter, oracle_from, tiny_drafter, tiny_target

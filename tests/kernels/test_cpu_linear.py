@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dscale.engine.plan import calibrate
-from hf_dscale.generation import custom_generate, target_forward
+from hf_dscale.generation import custom_generate
+from hf_dscale.engine import target_forward
 from hf_dscale.kernels import cpu_linear
 from tests.conftest import tiny_drafter, tiny_target, unevenly_padded
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dscale.generation import custom_generate
-from hf_dscale.generation.tree import TokenTree
+from hf_dscale.engine.tree import TokenTree
 from hf_dscale.engine import attention as hf_attention
 from hf_dscale.kernels import tree_attention_reference, tree_attention_triton, triton_usable
 from hf_dscale.kernels.tree_attention import merge_states, partial_attention_reference

@@ -107,7 +107,7 @@ def _probe(target: nn.Module, width: int, kernel: bool) -> str | None:
            **compat.cache_kwargs(target, own_cache))
     mask = torch.ones(1, 2 * width, dtype=torch.long, device=device)
     attention = TargetAttention.of(target)
-    if attention.sliding:  # such a target's verifies get 4D masks by position (`generation/masks.py`)
+    if attention.sliding:  # such a target's verifies get 4D masks by position (`engine/masks.py`)
         mask = attention.after_cache(mask[:, :width].bool(), positions[:, width:],
                                      torch.ones(width, width, dtype=torch.bool, device=device).tril(), target.dtype)
     new = dict(input_ids=ids[:, width:], position_ids=positions[:, width:])
@@ -155,7 +155,7 @@ class DirectForward:
     None) for a target `unavailable` accepts, computed from its parameters directly.
 
     `attention_mask`: a 2D padding mask over the cache's columns and the new tokens (the new tokens then attend
-    causally), or the 4D additive masks `generation/masks.py` builds (one tensor, or one per `config.layer_types`
+    causally), or the 4D additive masks `engine/masks.py` builds (one tensor, or one per `config.layer_types`
     kind). `cache`: a `DynamicCache` the new keys and values are appended to (`cache.update`), or None (the tokens
     see only each other). `kernel`: the products by `cpu_linear` (a layer's q, k and v in one pass, its gate and up
     in another; torch's where some weight is not laid out as contiguous rows), else `F.linear`; `transposed`: the LM

@@ -32,8 +32,9 @@ from torch import nn
 
 from ..kernels import cpu_linear
 from ..models.dscale import compat
-from ..models.dscale.assistant import median_seconds
+from ..timing import median_seconds
 from .direct_forward import DirectForward
+
 
 class TargetForward:
     """`forward(cache=None, **kwargs)` -> the target's logits [B, T, V] for a verify's forward kwargs, with
