@@ -497,10 +497,12 @@ def bench_dllm(model, tokenizer, problems, method: str, gen_length: int, block_s
     cost, with everything else as measured, for BlockBatch's time per answer to equal Fast-dLLM's): BlockBatch is
     the faster where the first is below the second. On a GPU each call is synchronised before and after, so that its
     time is its own (both decoders read the device after every step anyway). `host`: who does the decoders'
-    bookkeeping between model calls (`generation.dllm.host_kernel`); the report says which did (`host`: "c" or
+    bookkeeping between model calls (`dllm.host.host_kernel`); the report says which did (`host`: "c" or
     "torch").
     """
-    from .generation.dllm import TimedModel, blockbatch_generate, fast_dllm_generate, host_kernel
+    from .dllm.decode import blockbatch_generate, fast_dllm_generate
+    from .dllm.host import host_kernel
+    from .dllm.plan import TimedModel
     from .training.dllm_tasks import final_answer
     from .training.dllm_trainer import encode
 

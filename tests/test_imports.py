@@ -6,7 +6,7 @@ is read from the source (nothing is imported to find them) and checked against t
 * the drafter's remote code (`models/dscale/`) and the diffusion LM (`models/dllm/`) each self-contained, as they
   ship in a model folder;
 * the engine below the transformers-facing entry layer (`generation/`), which it never imports, and the
-  diffusion-LM decoders apart from the drafter's remote code;
+  diffusion-LM decoders (`dllm/`) apart from the drafter's remote code;
 * nothing below the entry points imports them: the CLI, the benches (`evaluation.py`), the sweep, training and the
   Hub tools are imported by nothing but themselves and each other;
 * no cycle between those parts.
@@ -77,13 +77,13 @@ def test_nothing_below_the_entry_points_imports_them():
 
 
 def test_the_diffusion_lm_decoders_share_nothing_with_the_drafters_remote_code():
-    dllm = [m for m in MODULES if m.startswith("hf_dscale.generation.dllm")]
+    dllm = [m for m in MODULES if _inside(m, "hf_dscale.dllm")]
     assert dllm and not {m: sorted(n for n in MODULES[m] if _inside(n, "hf_dscale.models.dscale")) for m in dllm
                          if any(_inside(n, "hf_dscale.models.dscale") for n in MODULES[m])}
 
 
 PARTS = ("hf_dscale.cache", "hf_dscale.timing", "hf_dscale.kernels", "hf_dscale.models.dscale", "hf_dscale.models.dllm",
-         "hf_dscale.models", "hf_dscale.engine", "hf_dscale.generation", *TOP)
+         "hf_dscale.models", "hf_dscale.engine", "hf_dscale.dllm", "hf_dscale.generation", *TOP)
 
 
 def _part(name: str) -> str | None:

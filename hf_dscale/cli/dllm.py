@@ -120,7 +120,7 @@ def bench_main(args) -> int:
     from transformers import AutoModel, AutoTokenizer
 
     from ..evaluation import bench_dllm
-    from ..generation.dllm import BLOCK_SIZES
+    from ..dllm import BLOCK_SIZES
     from ..models.dllm import DiffusionModel
     from ..training.dllm_tasks import make_problems
     from .common import describe_machine, emit_report, pick_device, pick_dtype, warn_if_slow_bf16
@@ -190,7 +190,7 @@ def _describe_both(report: dict) -> str:
 
 def _plan(dlm, tokenizer, task: str, gen_length: int, device, args):
     """BlockBatch's branches planned on training-split problems (the held-out ones are what the bench reports)."""
-    from ..generation.dllm import BLOCK_SIZES, plan_blockbatch
+    from ..dllm import BLOCK_SIZES, plan_blockbatch
     from ..training.dllm_tasks import final_answer, make_problems
     from ..training.dllm_trainer import encode
 

@@ -540,24 +540,3 @@ def decode(
             streamer.end()
     return lay_out(input_ids, rows.outputs(), pad_token_id), engine.stats
 
-
-def speculative_generate(target, drafter, input_ids, attention_mask=None, logits_processor=None,
-                         stopping_criteria=None, do_sample: bool = False, pad_token_id: int = 0, cache=None,
-                         streamer=None, draft_confidence: float | str | None = None, plan: Plan | None = None):
-    """`decode` with the block drafter's chain (a one-path tree per row)."""
-    return decode(target, drafter, input_ids, attention_mask, plan=plan, logits_processor=logits_processor,
-                  stopping_criteria=stopping_criteria, do_sample=do_sample, pad_token_id=pad_token_id, cache=cache,
-                  streamer=streamer, **({} if plan is not None else {"tree": False,
-                                                                     "draft_confidence": draft_confidence}))
-
-
-def tree_generate(target, drafter, vp_drafter, input_ids, attention_mask=None, logits_processor=None,
-                  stopping_criteria=None, do_sample: bool = False, pad_token_id: int = 0, cache=None, streamer=None,
-                  num_branches: int = 4, branch_policy: str = "ranked", tree_kernel: bool | None = None,
-                  draft_confidence: float | str | None = None, prompt_lookup: bool = False, plan: Plan | None = None):
-    """`decode` with token trees: D²SD with `vp_drafter`, else the drafter's own runner-up tree."""
-    options = {} if plan is not None else dict(tree=True, num_branches=num_branches, branch_policy=branch_policy,
-                                               draft_confidence=draft_confidence, prompt_lookup=prompt_lookup)
-    return decode(target, drafter, input_ids, attention_mask, vp_drafter=vp_drafter, plan=plan,
-                  logits_processor=logits_processor, stopping_criteria=stopping_criteria, do_sample=do_sample,
-                  pad_token_id=pad_token_id, cache=cache, streamer=streamer, tree_kernel=tree_kernel, **options)

@@ -4,12 +4,12 @@ On a CPU a small masked-diffusion model's step is short, and what the decoder do
 threshold commit, the stopping rule's scan, BlockBatch's merge) is a fair part of it: each torch operation costs a few
 microseconds whatever its size, and a BlockBatch step runs some sixty of them. These functions do the same work in
 one pass each. They take CPU tensors (int64 rows, float32 logits and beliefs), change them in place as the torch
-functions of `generation/dllm.py` do, and equal them: the tests compare both on random inputs, tokens tied for a
-slot's top included. Two slots whose confidences are equal in exact arithmetic (the same logits in another order)
+functions of `dllm/host.py` and `dllm/decode.py` do, and equal them: the tests compare both on random inputs,
+tokens tied for a slot's top included. Two slots whose confidences are equal in exact arithmetic (the same logits in another order)
 tie here, and the first is committed; torch's float sums may break such a tie by a rounding.
 
 The library is built on first use like `cpu_linear` (`kernels/build.py`); where it cannot be, `unavailable()` says
-why and the decoders keep to torch. Whether a decode uses it is its `host` argument (`generation.dllm.host_kernel`).
+why and the decoders keep to torch. Whether a decode uses it is its `host` argument (`dllm.host.host_kernel`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _check(x: torch.Tensor) -> None:
 def commit(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
            mask_id: int, eos_id: int | None, threshold: float, beliefs: tuple | None = None,
            prompt_len: int | None = None) -> list:
-    """`generation.dllm.commit_windows` from the logits: window r of x [N, L] is row rows[r] [R] at positions
+    """`dllm.host.commit_windows` from the logits: window r of x [N, L] is row rows[r] [R] at positions
     targets [R, Q] (valid [R, Q]: False is padding), with logits [R, Q, V] there. `beliefs`: (prob, eos, best), each
     [N, L] (float32, float32, int64), take every valid slot's probability, EOS probability and most likely token, as
     `_Branches.remember` of `_beliefs` does. Returns the tokens each window committed; with `prompt_len`, the rows'
@@ -70,7 +70,7 @@ def commit_merge(x: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, val
                  prompt_len: int, sizes: list[int], prob: torch.Tensor, best: torch.Tensor, gate: float
                  ) -> tuple[list, tuple | None]:
     """`commit` (with its scan) of a BlockBatch step's windows, then in the same call, unless a window's answer
-    ended, the merge that `generation.dllm` runs after it: the windows' branches that still hold a mask move their
+    ended, the merge that `dllm.decode` runs after it: the windows' branches that still hold a mask move their
     windows (`sizes`: each window's block size) and merge as `merge` does (prob and best: the maps it reads).
     Returns (the commit's scan, the merge's (tokens adopted, scan) over those branches in window order, or None
     where it did not run: an answer ended, or fewer than two branches hold a mask)."""
@@ -109,7 +109,7 @@ def _commit_args(x, rows, targets, valid, logits, mask_id, eos_id, threshold, be
 
 def beliefs(logits: torch.Tensor, rows: torch.Tensor, of_row: torch.Tensor, mask_id: int, eos_id: int | None,
             prob: torch.Tensor, eos: torch.Tensor, best: torch.Tensor) -> None:
-    """What `generation.dllm._beliefs(*confidences(logits, mask_id), eos_id)` gives for a full forward's logits
+    """What `dllm.host._beliefs(*confidences(logits, mask_id), eos_id)` gives for a full forward's logits
     [U, L, V] of U distinct rows, stored for every position as the maps prob, eos and best [N, L] (float32, float32,
     int64) of branch rows[n] [R], which takes those of distinct row of_row[n] [R]."""
     u, length, vocab = logits.shape
@@ -128,7 +128,7 @@ def _scanned(out: torch.Tensor) -> list[tuple]:
 
 
 def scan(x: torch.Tensor, rows: torch.Tensor, prompt_len: int, mask_id: int, eos_id: int | None) -> list[tuple]:
-    """`generation.dllm.scan(x[rows], prompt_len, mask_id, eos_id, counts=True)`: (first mask offset, end, decoded)
+    """`dllm.host.scan(x[rows], prompt_len, mask_id, eos_id, counts=True)`: (first mask offset, end, decoded)
     per row, None where the torch function has None."""
     _check(x)
     out = torch.empty(len(rows), 3, dtype=torch.long)
@@ -141,7 +141,7 @@ def scan(x: torch.Tensor, rows: torch.Tensor, prompt_len: int, mask_id: int, eos
 def merge(x: torch.Tensor, rows: list[int], after: torch.Tensor, starts: list[int], sizes: list[int],
           prob: torch.Tensor, best: torch.Tensor, gate: float, mask_id: int, prompt_len: int = 0
           ) -> tuple[list[int], list[tuple]]:
-    """The merge of `generation.dllm._merge` over branches `rows` of x (in place): after [R, R] (bool, [dst, src]),
+    """The merge of `dllm.decode._merge` over branches `rows` of x (in place): after [R, R] (bool, [dst, src]),
     each branch's window start and size, its beliefs prob [N, L] (float32) and best [N, L] (int64); `gate` the
     probability a position must exceed (the merge gate or the floor, the higher). Returns the tokens each adopted,
     and the rows' `scan` from `prompt_len` after the merge (without an EOS: the first mask and the tokens decoded

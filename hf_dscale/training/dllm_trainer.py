@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..generation.dllm import BLOCK_SIZES
+from ..dllm import BLOCK_SIZES
 from ..models.dllm import DiffusionLM
 from .dllm_tasks import make_problems
 from .trainer import _checkpoints, finish_checkpoint

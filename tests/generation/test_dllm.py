@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_dscale.dllm.decode import _Branches, merge, sync
+from hf_dscale.dllm.host import answer_end, threshold_commit
 from hf_dscale.generation import blockbatch_generate, dllm_generate, fast_dllm_generate
-from hf_dscale.generation.dllm import _Branches, answer_end, merge, sync, threshold_commit
 from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig, DiffusionModel
 
 from ..conftest import tiny_target

@@ -8,17 +8,19 @@ import json
 import pytest
 import torch
 
-from hf_dscale.generation import dllm_generate
-from hf_dscale.generation.dllm import (
-    BlockBatchPlan,
-    CandidateCost,
-    _choose,
+from hf_dscale.dllm.decode import (
     _write_distinct,
     blockbatch_generate,
     fast_dllm_generate,
+)
+from hf_dscale.dllm.plan import (
+    BlockBatchPlan,
+    CandidateCost,
+    _choose,
     measure_step_costs,
     plan_blockbatch,
 )
+from hf_dscale.generation import dllm_generate
 from hf_dscale.models.dllm import DiffusionModel
 from hf_dscale.models.dllm.modeling_dllm import DualCache
 
@@ -192,7 +194,7 @@ def test_plan_prices_the_host_time_between_model_calls(monkeypatch):
     every forward (`_book`, one per forward, between the model calls) advances the fake clock by 50 ms, so a set's
     host time is 50 ms per forward and its expected seconds are its wall-clock; with a cost table, or
     price_host=False, nothing is added."""
-    from hf_dscale.generation import dllm
+    from hf_dscale.dllm import decode as dllm
 
     model = _Clocked(DiffusionModel(tiny_dlm(seed=2)))
     model._tick = lambda tokens: setattr(model, "now", model.now + 1e-3 * tokens)
@@ -326,8 +328,8 @@ def test_a_plan_carries_its_refresh_rows_into_decoding_and_json():
 
 @pytest.mark.parametrize("host", ["auto", "torch"])
 def test_bench_both_reports_the_two_methods_side_by_side(host):
+    from hf_dscale.dllm.host import host_kernel
     from hf_dscale.evaluation import bench_dllm
-    from hf_dscale.generation.dllm import host_kernel
     from hf_dscale.models.dllm import DiffusionLM, DiffusionLMConfig
     from hf_dscale.training.dllm_tasks import build_tokenizer, make_problems
 

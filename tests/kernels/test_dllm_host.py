@@ -7,9 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dscale.generation import dllm
-from hf_dscale.generation.dllm import (_beliefs, _Branches, _merge, blockbatch_generate, commit_windows, confidences,
-                                       fast_dllm_generate, host_kernel, scan, windows_at)
+from hf_dscale.dllm import decode as dllm
+from hf_dscale.dllm import host as dllm_host_options
+from hf_dscale.dllm.decode import (
+    _Branches,
+    _merge,
+    blockbatch_generate,
+    fast_dllm_generate,
+)
+from hf_dscale.dllm.host import (
+    _beliefs,
+    commit_windows,
+    confidences,
+    host_kernel,
+    scan,
+    windows_at,
+)
 from hf_dscale.kernels import dllm_host
 from hf_dscale.models.dllm import DiffusionModel
 
@@ -199,7 +212,7 @@ def test_who_does_the_bookkeeping(monkeypatch):
         host_kernel("c", "cpu")
     result = fast_dllm_generate(DiffusionModel(tiny_dlm()), torch.tensor([[3, 4]]), 8, 4)
     assert result.nfe >= 2  # and decoding goes on without it
-    assert dllm.HOSTS == ("auto", "c", "torch")
+    assert dllm_host_options.HOSTS == ("auto", "c", "torch")
 
 
 def test_generate_takes_the_choice():

@@ -11,7 +11,8 @@ import torch
 
 from ..engine.state import lay_out
 from ..models.dllm import DiffusionModel
-from .dllm import blockbatch_generate, fast_dllm_generate, host_kernel
+from .decode import blockbatch_generate, fast_dllm_generate
+from .host import host_kernel
 
 METHODS = ("fast-dllm", "blockbatch")
 
@@ -27,7 +28,7 @@ def generate(model, input_ids: torch.LongTensor, generation_config=None, dllm_me
     the plan's, else "all"); sync_threshold (a branch this many tokens behind the leader copies it; "plan": the
     plan's, else 8); threshold; dllm_stats: a list that receives one `DLLMResult` per row (NFE counts);
     dllm_host: who does the bookkeeping between model calls ("auto": the C library on a CPU, see
-    `generation.dllm.host_kernel`; "c"; "torch")."""
+    `dllm.host.host_kernel`; "c"; "torch")."""
     if dllm_method not in METHODS:
         raise ValueError(f"dllm_method must be one of {METHODS}, got {dllm_method!r}.")
     if generation_config is not None and generation_config.do_sample:
