@@ -99,7 +99,7 @@ class Engine:
         self.advanced = (0, 0)  # the columns the last `advance` kept before the read: (first, how many)
         self.nodes = None  # [B, D] the last cycle's accepted nodes by depth, which `commit` packs in the cache
         self.unread = False  # between `advance` and `commit`: columns past every row's path may be held (masked)
-        self.paths: PathRows | None = None  # a stateful target's tree verify, one row per path (`verify_paths`)
+        self.paths: PathRows | None = None  # the last verify's rows when it ran one per tree path
         self._path_taps = None  # that verify's taps per tree node
         self.vocab = self.vp_vocab = None
         self.lookups: list[PromptLookup | None] = [None] * rows.prompt.shape[0]
@@ -274,6 +274,11 @@ class Engine:
             return self._taps
         if self.paths is not None:
             return self._path_taps
+        return self.forward_taps()
+
+    def forward_taps(self) -> torch.Tensor:
+        """The tapped layers' outputs of the latest eager forward, as it ran: from the forward itself (a direct
+        forward returns them) or from the recorder's hooks."""
         return self.forward.taps if self.forward.taps is not None else self.recorder.taps()
 
     def static_mask(self, allowed: torch.Tensor, positions: torch.Tensor, start: int, prefill: bool = False):
@@ -310,12 +315,20 @@ class Engine:
             logits, taps = self.static(ids, positions, mask, self.cache)
             self._taps = taps[:, :n]
             return logits[:, :n]
-        if verify.allowed is None and not self.attention.sliding:
-            mask = torch.cat((self.valid, self.valid.new_ones(self.valid.shape[0], n)), dim=1).long()
-        else:
-            mask = self.attention.after_cache(self.valid, verify.positions, verify.ancestors(), self.target.dtype)
+        mask = self.mask_after(self.valid, verify.positions, verify.allowed)
         return self.forward(self.cache, input_ids=verify.ids, attention_mask=mask, position_ids=verify.positions,
                             use_cache=True)
+
+    def mask_after(self, valid: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None):
+        """The target's mask for new tokens at `positions` [B, Q] after the cache's valid columns (valid [B, C]):
+        `allowed` [B, Q, Q] among the new ones (tree ancestry), or None for chains, which need only a 2D padding
+        mask unless some layer attends through a window."""
+        b, q = positions.shape
+        if allowed is None and not self.attention.sliding:
+            return torch.cat((valid, valid.new_ones(b, q)), dim=1).long()
+        if allowed is None:
+            allowed = torch.ones(q, q, dtype=torch.bool, device=valid.device).tril().expand(b, q, q)
+        return self.attention.after_cache(valid, positions, allowed, self.target.dtype)
 
     def verify_paths(self, verify: Verify) -> torch.Tensor:
         """A tree verify on a target with conv or recurrent states, or with attention of its own (which takes a 2D
@@ -324,16 +337,10 @@ class Engine:
         back per tree node; `advance` keeps the accepted path's row."""
         paths = self.paths = PathRows.of(verify)
         compat.select_rows(self.cache, paths.source)  # a copy of its row's K/V and states per path
-        valid, (r, width) = self.valid[paths.source], paths.ids.shape
-        if self.attention.sliding:
-            causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril().expand(r, width, width)
-            mask = self.attention.after_cache(valid, paths.positions, causal, self.target.dtype)
-        else:
-            mask = torch.cat((valid, valid.new_ones(r, width)), dim=1).long()
+        mask = self.mask_after(self.valid[paths.source], paths.positions, None)  # every path row is a chain
         logits = self.forward(self.cache, input_ids=paths.ids, attention_mask=mask, position_ids=paths.positions,
                               use_cache=True)
-        taps = self.forward.taps if self.forward.taps is not None else self.recorder.taps()
-        self._path_taps = paths.nodes(taps)
+        self._path_taps = paths.nodes(self.forward_taps())
         return paths.nodes(logits)
 
     def advance(self, outcome: Outcome, active: list[bool]) -> None:

@@ -185,9 +185,10 @@ def calibrate(target: nn.Module, drafter: nn.Module, *, vp_drafter: nn.Module | 
                 f"{type(target).__name__}: {why}; hf_dscale verifies it with the target's own eager forward, as plain "
                 "decoding runs it, not a compiled or direct one (compile=True, direct_forward=True). Leave those "
                 "options unset.")
-        single_path = vp_drafter is None and (tree is None and not do_sample or tree is None and bool(prompt_lookup))
+        single_path = vp_drafter is None and tree is None and (not do_sample or bool(prompt_lookup))
         if single_path:
-            tree, prompt_lookup = True, True if prompt_lookup is None else prompt_lookup
+            tree = True
+            prompt_lookup = True if prompt_lookup is None else prompt_lookup
         compile, direct_forward = False, False
         reasons.append(f"eager: {why}; a token tree verifies each of its paths as a row of its own"
                        + ("; by default each row verifies one path, the drafter's chain or the prompt lookup's, "

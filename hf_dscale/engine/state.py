@@ -206,12 +206,13 @@ class Verify:
 
 @dataclass
 class PathRows:
-    """A tree verify on a target whose layers keep a recurrent or conv state: each root-to-leaf path of every row's
-    tree becomes a row of its own, a chain, so each layer steps every path's tokens one after another as plain
-    decoding would, from the state the path's row had (a shared prefix is run once per path through it).
+    """A tree verify on a target whose layers keep a recurrent or conv state, or whose attention takes no tree mask:
+    each root-to-leaf path of every row's tree becomes a row of its own, a chain, so each layer steps every path's
+    tokens one after another as plain decoding would, from the state the path's row had (a shared prefix is run once
+    per path through it).
 
-    Node j of row b is read at depth `depths[b, j]` of path row `where[b, j] // width` (the first path through it);
-    a padding node at the anchor of the row's first path."""
+    Node j of row b is read at `where[b, j]` = path row * width + depth, in the first path through it; a padding
+    node at the anchor of the row's first path."""
 
     source: torch.Tensor  # [R] the batch row each path row comes from
     ids: torch.Tensor  # [R, width] each path's tokens from the anchor, padded by repeating its last token
@@ -224,14 +225,9 @@ class PathRows:
         source, paths, where = [], [], []
         n = verify.ids.shape[1]
         for b, tree in enumerate(verify.trees):
-            leaves = [j for j in range(len(tree)) if not tree.children[j]]
             first, seen = len(paths), [None] * n
-            for leaf in leaves:
-                path, node = [], leaf
-                while node >= 0:
-                    path.append(node)
-                    node = tree.parents[node]
-                path.reverse()
+            for leaf in tree.leaves():
+                path = tree.nodes_to(leaf)
                 for depth, node in enumerate(path):
                     if seen[node] is None:
                         seen[node] = (len(paths), depth)

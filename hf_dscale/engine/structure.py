@@ -143,14 +143,14 @@ def probe(target: nn.Module) -> Structure:
     finally:
         target.set_attn_implementation(before)
     calls = list(recorder.calls.values())
+    kept_by_model = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     if not calls:
-        return _masking_itself(target, getattr(out, "past_key_values", None) or getattr(out, "cache", None))
+        return _masking_itself(target, kept_by_model)
     blocks = _blocks_holding(target, [module for module, _ in calls])
     by_block = []
     for block in blocks if blocks is not None else ():
         inside = [seen for module, seen in calls if any(module is m for m in block.modules())]
         by_block.append(inside[0] if inside else None)
-    kept_by_model = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     problem = _unsupported(name, blocks, by_block, kept_by_model) or _not_causal(target)
     cache = _own_cache(kept_by_model)
     stateful = tuple(compat.stateful_layers(cache)) if cache is not None else ()

@@ -56,13 +56,21 @@ class TokenTree:
             mask[i, i] = True
         return mask.to(device)
 
+    def nodes_to(self, node: int) -> list[int]:
+        """The nodes from the anchor (node 0) down to `node`, both included."""
+        nodes = [node]
+        while node > 0:
+            node = self.parents[node]
+            nodes.append(node)
+        return nodes[::-1]
+
     def path(self, node: int) -> list[int]:
         """Tokens from the anchor's first child down to `node` (empty for the anchor)."""
-        tokens = []
-        while node > 0:
-            tokens.append(self.tokens[node])
-            node = self.parents[node]
-        return tokens[::-1]
+        return [self.tokens[n] for n in self.nodes_to(node)[1:]]
+
+    def leaves(self) -> list[int]:
+        """The nodes no other node descends from: each ends one root-to-leaf path."""
+        return [node for node, below in enumerate(self.children) if not below]
 
 
 def walk_tree(
